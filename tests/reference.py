@@ -1,0 +1,74 @@
+"""An fp64 attention reference written for the tests, independent of zen_mla's code.
+
+One request at a time, one dense score matrix, the mask built from the contract's sentence:
+"query i sees keys j <= i + Sk - Sq".
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_fp64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu: list[int],
+    kv_cu: list[int],
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out `[Tq, H, Dv]` fp64 and lse `[H, Tq]` fp64 for ragged q/k/v."""
+    tq, h, _ = q.shape
+    out = torch.zeros(tq, h, v.shape[2], dtype=torch.float64)
+    lse = torch.full((h, tq), float("-inf"), dtype=torch.float64)
+    for r in range(len(q_cu) - 1):
+        qa, qb, ka, kb = q_cu[r], q_cu[r + 1], kv_cu[r], kv_cu[r + 1]
+        sq, sk = qb - qa, kb - ka
+        if sq == 0 or sk == 0:
+            continue
+        qr = q[qa:qb].double().permute(1, 0, 2)  # [H, Sq, D]
+        kr = k[ka:kb].double().permute(1, 0, 2)
+        vr = v[ka:kb].double().permute(1, 0, 2)
+        scores = torch.einsum("hid,hjd->hij", qr, kr) * scale
+        if causal:
+            i = torch.arange(sq).unsqueeze(1)
+            j = torch.arange(sk).unsqueeze(0)
+            scores = scores.masked_fill(j > i + (sk - sq), float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [H, Sq], -inf where nothing is seen
+        seen = torch.isfinite(row_lse)
+        probs = torch.where(seen.unsqueeze(-1), torch.exp(scores - row_lse.unsqueeze(-1)), 0.0)
+        out[qa:qb] = torch.einsum("hij,hjd->ihd", probs, vr)
+        lse[:, qa:qb] = row_lse
+    return out, lse
+
+
+def attention_same_precision(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu: list[int],
+    kv_cu: list[int],
+    *,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Plain PyTorch in the inputs' own dtype (scores, probabilities and products rounded to
+    it): the error a same-precision implementation makes, which sets the tolerance."""
+    tq, h, _ = q.shape
+    out = torch.zeros(tq, h, v.shape[2], dtype=q.dtype)
+    for r in range(len(q_cu) - 1):
+        qa, qb, ka, kb = q_cu[r], q_cu[r + 1], kv_cu[r], kv_cu[r + 1]
+        sq, sk = qb - qa, kb - ka
+        if sq == 0 or sk == 0:
+            continue
+        qr, kr, vr = (t.permute(1, 0, 2) for t in (q[qa:qb], k[ka:kb], v[ka:kb]))
+        scores = (qr * scale) @ kr.transpose(1, 2)
+        if causal:
+            i = torch.arange(sq).unsqueeze(1)
+            j = torch.arange(sk).unsqueeze(0)
+            scores = scores.masked_fill(j > i + (sk - sq), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+        out[qa:qb] = (probs @ vr).permute(1, 0, 2)
+    return out

@@ -1,0 +1,156 @@
+"""ragged_attention against the fp64 reference, for every kernel, dtype and batch shape class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import zen_mla
+from tests.reference import attention_fp64, attention_same_precision
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    q_lens: list[int]
+    kv_lens: list[int] | None = None  # None: the same as q_lens (self-attention)
+
+
+BATCH_SPECS = {
+    "single": BatchSpec([37]),
+    "ragged": BatchSpec([5, 64, 1, 33, 130]),
+    "length_one": BatchSpec([1, 1, 1]),
+    "empty_requests": BatchSpec([0, 7, 0, 12, 0]),
+    "no_requests": BatchSpec([]),
+    "equal_runs": BatchSpec([16, 16, 16, 16, 9, 9, 16]),
+    "prefix_cached": BatchSpec([3, 16, 40, 1], [10, 16, 100, 64]),
+    "more_queries_than_keys": BatchSpec([10, 5, 6], [4, 0, 6]),
+    "context_chunk": BatchSpec([8, 20, 0], [50, 70, 9]),
+}
+
+HEAD_DIMS = {"mla_192_128": (3, 192, 128), "equal_64": (2, 64, 64)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNELS = [
+    pytest.param("zentorch", marks=pytest.mark.zentorch),
+    "torch",
+    "reference",
+    "auto",
+]
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()])
+
+
+def make_batch(spec: BatchSpec, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0):
+    h, dqk, dv = heads
+    kv_lens = spec.kv_lens if spec.kv_lens is not None else spec.q_lens
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(spec.q_lens), sum(kv_lens)
+    q = torch.randn(tq, h, dqk, generator=gen).to(dtype)
+    k = torch.randn(tk, h, dqk, generator=gen).to(dtype)
+    v = torch.randn(tk, h, dv, generator=gen).to(dtype)
+    q_cu = _cu(spec.q_lens).to(torch.int32)
+    kv_cu = None if spec.kv_lens is None else _cu(kv_lens)
+    return q, k, v, q_cu, kv_cu
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("heads", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
+@pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
+def test_matches_fp64_reference(spec, heads, dtype, causal, return_lse, kernel):
+    q, k, v, q_cu, kv_cu = make_batch(spec, heads, dtype)
+    scale = heads[1] ** -0.5
+    if kernel == "zentorch" and dtype == torch.float16:
+        with pytest.raises(zen_mla.KernelUnavailableError, match="lower precision"):
+            zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, causal=causal, kernel=kernel)
+        return
+    got = zen_mla.ragged_attention(
+        q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, kernel=kernel
+    )
+    out, lse = got if return_lse else (got, None)
+    kv_list = (kv_cu if kv_cu is not None else q_cu).tolist()
+    ref_out, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale)
+    baseline = attention_same_precision(
+        q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale
+    )
+
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2])
+    assert out.dtype == v.dtype
+    # flash-attn's rule: no worse than twice what same-precision PyTorch gets wrong
+    base_err = (baseline.double() - ref_out).abs().max().item() if out.numel() else 0.0
+    err = (out.double() - ref_out).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * base_err + 1e-5, f"max error {err:.3g} vs same-precision {base_err:.3g}"
+    if return_lse:
+        assert lse is not None
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        blind = torch.isinf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), blind), "lse is -inf exactly where no key is seen"
+        if (~blind).any():
+            assert (lse.double() - ref_lse)[~blind].abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_queries_that_see_no_key_are_zero_and_minus_inf(kernel):
+    q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["more_queries_than_keys"], (2, 64, 32), torch.bfloat16)
+    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel=kernel)
+    # request 0: 10 queries, 4 keys -> the first 6 see nothing; request 1: no keys at all
+    blind_rows = [*range(0, 6), *range(10, 15)]
+    assert torch.equal(out[blind_rows], torch.zeros_like(out[blind_rows]))
+    assert torch.isneginf(lse[:, blind_rows]).all()
+    assert torch.isfinite(lse[:, 6:10]).all() and torch.isfinite(lse[:, 15:]).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_custom_scale(kernel):
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 48), torch.float32)
+    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, scale=0.37, return_lse=True, kernel=kernel)
+    ref_out, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), q_cu.tolist(), causal=True, scale=0.37)
+    assert (out.double() - ref_out).abs().max().item() < 1e-4
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+
+
+def test_lse_is_fp32_accurate_where_bf16_scores_would_not_be():
+    """Large scores (|s| ~ 100): a bf16-rounded score alone would be off by ~0.4."""
+    q, k, v, q_cu, kv_cu = make_batch(BatchSpec([64, 17], [256, 300]), (4, 192, 128), torch.bfloat16)
+    q, k = q * 4, k * 4
+    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)
+    _, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=False, scale=192**-0.5)
+    assert ref_lse.abs().max() > 50
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+
+
+def test_strided_inputs_are_read_in_place():
+    """q/k/v slices of a fused qkv buffer (as a model produces them) need no copy first."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(50, 4, 192 * 2 + 128, generator=gen).bfloat16()
+    q, k, v = qkv[..., :192], qkv[..., 192:384], qkv[..., 384:]
+    q_cu = torch.tensor([0, 20, 50])
+    got = zen_mla.ragged_attention(q, k, v, q_cu, kernel="torch")
+    want = zen_mla.ragged_attention(q.contiguous(), k.contiguous(), v.contiguous(), q_cu, kernel="torch")
+    assert torch.equal(got, want)
+
+
+def test_last_dim_strided_inputs_are_accepted():
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # last-dim stride != 1
+    assert qt.stride(-1) != 1
+    assert torch.allclose(
+        zen_mla.ragged_attention(qt, k, v, q_cu, kernel="reference"),
+        zen_mla.ragged_attention(q, k, v, q_cu, kernel="reference"),
+    )
+
+
+def test_long_prefix_cached_request_is_masked_in_blocks(monkeypatch):
+    """A mask over the memory budget is applied a block of queries at a time."""
+    from zen_mla import _attention
+
+    monkeypatch.setattr(_attention, "MASK_BUDGET_BYTES", 64 * 2 * 7)  # 7 rows of 64 bf16 keys
+    q, k, v, q_cu, kv_cu = make_batch(BatchSpec([40], [64]), (2, 64, 32), torch.bfloat16)
+    out = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, kernel="torch")
+    ref, _ = attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=True, scale=64**-0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2

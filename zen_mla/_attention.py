@@ -1,0 +1,161 @@
+"""`ragged_attention`: varlen MLA prefill attention, driven request run by request run."""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from ._ragged import RaggedBatch, validate
+from .kernels import AttentionKernel, select_kernel
+
+__all__ = ["attend", "ragged_attention"]
+
+#: bytes of one additive bottom-right mask block; larger masks are applied in query blocks
+MASK_BUDGET_BYTES = 16 << 20
+
+
+def _heads_first(t: torch.Tensor, start: int, count: int, seq: int) -> torch.Tensor:
+    """`[count, H, seq, D]` strided view of rows `[start, start + count * seq)` of `[T, H, D]`."""
+    return t[start : start + count * seq].unflatten(0, (count, seq)).transpose(1, 2)
+
+
+def _bottom_right_mask(rows: range, sq: int, sk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[len(rows), sk]`: query i sees keys j <= i + sk - sq (flash-attn >= 2.1)."""
+    hidden = torch.arange(sk)[None, :] > (torch.arange(rows.start, rows.stop) + (sk - sq))[:, None]
+    return torch.zeros(len(rows), sk, dtype=dtype).masked_fill_(hidden, float("-inf"))
+
+
+def attend(
+    batch: RaggedBatch,
+    kernel: type[AttentionKernel],
+    *,
+    return_lse: bool,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `kernel` over a validated batch, writing into `out` `[Tq, H, Dv]` (v's dtype) and,
+    with `return_lse`, `lse` `[H, Tq]` fp32; both are allocated when not given (the pool gives
+    views into shared memory)."""
+    tq, h, dqk = batch.q.shape
+    dv = batch.v_head_dim
+    if out is None:
+        out = torch.empty(tq, h, dv, dtype=batch.v.dtype)
+    if return_lse and lse is None:
+        lse = torch.empty(h, tq, dtype=torch.float32)
+    v = batch.v
+    if kernel.needs_equal_head_dims and dv < dqk:
+        # The fused kernels want Dv == Dqk: pad V once for the whole batch (one copy, Tk rows)
+        # rather than once per request; the padded columns of `out` are never copied out.
+        v = torch.nn.functional.pad(v, (0, dqk - dv))
+
+    for run in batch.runs():
+        if run.sq == 0:
+            continue
+        out_r = _heads_first(out, run.q_start, run.count, run.sq)
+        lse_r = (
+            lse[:, run.q_start : run.q_start + run.count * run.sq]
+            .unflatten(1, (run.count, run.sq))
+            .transpose(0, 1)
+            if lse is not None
+            else None
+        )
+
+        def put(rows: slice, o: torch.Tensor, lo: torch.Tensor | None) -> None:
+            out_r[:, :, rows].copy_(o[..., :dv])  # noqa: B023 - called within this iteration
+            if lse_r is not None and lo is not None:  # noqa: B023
+                lse_r[:, :, rows].copy_(lo)  # noqa: B023
+
+        def blind(rows: slice) -> None:  # queries that see no key: out 0, lse -inf
+            out_r[:, :, rows].zero_()  # noqa: B023
+            if lse_r is not None:  # noqa: B023
+                lse_r[:, :, rows].fill_(float("-inf"))  # noqa: B023
+
+        if run.sk == 0:
+            blind(slice(None))
+            continue
+        q_r = _heads_first(batch.q, run.q_start, run.count, run.sq)
+        k_r = _heads_first(batch.k, run.kv_start, run.count, run.sk)
+        v_r = _heads_first(v, run.kv_start, run.count, run.sk)
+        call = {"scale": batch.scale, "return_lse": return_lse}
+
+        if not batch.causal:
+            put(slice(None), *kernel.forward(q_r, k_r, v_r, causal=False, mask=None, **call))
+        elif run.sq >= run.sk:
+            # Bottom-right: the first Sq - Sk queries see nothing, the rest form the usual
+            # triangle, which is the kernels' (top-left) is_causal on a square.
+            first = run.sq - run.sk
+            if first:
+                blind(slice(0, first))
+            o, lo = kernel.forward(q_r[:, :, first:], k_r, v_r, causal=True, mask=None, **call)
+            put(slice(first, None), o, lo)
+        else:
+            # Prefix-cached (Sq < Sk): every query sees the Sk - Sq cached keys plus its own
+            # triangle. No kernel aligns causal bottom-right, so pass an additive mask, a block
+            # of queries at a time to bound its memory; keys past a block's last visible one
+            # are left out of the call altogether.
+            step = max(1, MASK_BUDGET_BYTES // (run.sk * q_r.element_size()))
+            for a in range(0, run.sq, step):
+                b = min(run.sq, a + step)
+                seen = b + run.sk - run.sq
+                mask = _bottom_right_mask(range(a, b), run.sq, run.sk, q_r.dtype)[:, :seen]
+                o, lo = kernel.forward(
+                    q_r[:, :, a:b], k_r[:, :, :seen], v_r[:, :, :seen],
+                    causal=False, mask=mask, **call,
+                )
+                put(slice(a, b), o, lo)
+    return out, lse
+
+
+@overload
+def ragged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None = None, *, causal: bool = True,
+    return_lse: Literal[False] = False, scale: float | None = None, kernel: str = "auto",
+) -> torch.Tensor: ...
+@overload
+def ragged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None = None, *, causal: bool = True,
+    return_lse: Literal[True], scale: float | None = None, kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    return_lse: bool = False,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a ragged ("varlen") batch of `B` requests, as flash-attn's varlen API.
+
+    Args:
+        q: `[Tq, H, Dqk]`, bf16, fp16 or fp32.
+        k: `[Tk, H, Dqk]`, q's dtype.
+        v: `[Tk, H, Dv]`, q's dtype, `Dv <= Dqk` (MLA: Dqk = 192, Dv = 128).
+        q_cu_seq_lens: `[B + 1]` int32/int64 offsets into q, `0 = c[0] <= ... <= c[B] = Tq`.
+        kv_cu_seq_lens: `[B + 1]` offsets into k/v; None means `q_cu_seq_lens`.
+        causal: query i of a request sees keys `j <= i + Sk - Sq` (bottom-right aligned).
+        return_lse: also return the softmax log-sum-exp, fp32-accurate whatever `kernel`.
+        scale: score scale, default `Dqk ** -0.5`.
+        kernel: "auto" | "zentorch" | "torch" | "reference", what computes `out`.
+
+    Returns:
+        out `[Tq, H, Dv]` in v's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).
+        Queries that see no key get `out = 0`, `lse = -inf`.
+
+    Raises:
+        InvalidInputError (a ValueError) naming the tensor or argument at fault;
+        KernelUnavailableError when `kernel` names one that cannot run here.
+    """
+    batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
+    chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
+    out, lse = attend(batch, chosen, return_lse=return_lse)
+    if return_lse:
+        assert lse is not None
+        return out, lse
+    return out

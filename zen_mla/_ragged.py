@@ -1,0 +1,195 @@
+"""The varlen ("ragged") batch: the contract's rules, checked once at the edge.
+
+Inner code takes a `RaggedBatch` and trusts it: shapes agree, `cu_seq_lens` are valid offsets,
+the scale is a positive finite number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ._errors import InvalidInputError
+
+__all__ = ["DTYPES", "RaggedBatch", "Run", "validate"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """`count` consecutive requests of one shape: queries `[q_start, q_start + count * sq)`,
+    keys/values `[kv_start, kv_start + count * sk)`. Equal-shape neighbours are handed to a kernel
+    as one `[count, H, S, D]` batch, a strided view of the ragged tensors (no copy)."""
+
+    q_start: int
+    kv_start: int
+    sq: int
+    sk: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedBatch:
+    """A validated varlen batch.
+
+    q: `[Tq, H, Dqk]`, k: `[Tk, H, Dqk]`, v: `[Tk, H, Dv]` with `Dv <= Dqk`, one dtype of
+    bf16/fp16/fp32, on the CPU, last dim contiguous. `q_cu_seq_lens`/`kv_cu_seq_lens`: `B + 1`
+    offsets as Python ints. `scale`: positive and finite.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_cu_seq_lens: tuple[int, ...]
+    kv_cu_seq_lens: tuple[int, ...]
+    causal: bool
+    scale: float
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def qk_head_dim(self) -> int:
+        return int(self.q.shape[2])
+
+    @property
+    def v_head_dim(self) -> int:
+        return int(self.v.shape[2])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.q_cu_seq_lens) - 1
+
+    def seq_lens(self) -> Iterator[tuple[int, int]]:
+        """`(Sq, Sk)` per request."""
+        qc, kc = self.q_cu_seq_lens, self.kv_cu_seq_lens
+        for r in range(self.num_requests):
+            yield qc[r + 1] - qc[r], kc[r + 1] - kc[r]
+
+    def runs(self) -> Iterator[Run]:
+        """Requests grouped into maximal runs of equal `(Sq, Sk)`, in order."""
+        qc, kc = self.q_cu_seq_lens, self.kv_cu_seq_lens
+        r, b = 0, self.num_requests
+        while r < b:
+            sq, sk = qc[r + 1] - qc[r], kc[r + 1] - kc[r]
+            n = 1
+            while r + n < b and qc[r + n + 1] - qc[r + n] == sq and kc[r + n + 1] - kc[r + n] == sk:
+                n += 1
+            yield Run(qc[r], kc[r], sq, sk, n)
+            r += n
+
+    def work(self) -> int:
+        """Multiply-adds of the score matmul, `H * Dqk * sum(Sq * Sk)`, about halved for causal."""
+        pairs = 0
+        for sq, sk in self.seq_lens():
+            if self.causal:
+                # query i sees keys j <= i + sk - sq: count the visible pairs exactly
+                seen = min(sq, sk)
+                pairs += seen * (sk - seen) + seen * (seen + 1) // 2
+            else:
+                pairs += sq * sk
+        return self.num_heads * self.qk_head_dim * pairs
+
+
+def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(name, f"a torch.Tensor {layout}", type(t).__name__)
+    if t.device.type != "cpu":
+        raise InvalidInputError(
+            name, "a CPU tensor", f"a tensor on {t.device}", "Move it with .cpu() first"
+        )
+    if t.ndim != 3:
+        raise InvalidInputError(name, f"a 3-D tensor {layout}", f"shape {tuple(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise InvalidInputError(name, "dtype bfloat16, float16 or float32", str(t.dtype))
+    return t if t.stride(-1) == 1 else t.contiguous()  # kernels read rows with unit stride
+
+
+def _check_cu_seq_lens(name: str, cu: object, total: int, total_name: str) -> tuple[int, ...]:
+    if not isinstance(cu, torch.Tensor):
+        raise InvalidInputError(name, "a torch.Tensor [B + 1]", type(cu).__name__)
+    if cu.ndim != 1 or cu.numel() < 1:
+        raise InvalidInputError(name, "a 1-D tensor [B + 1] with B >= 0", f"shape {tuple(cu.shape)}")
+    if cu.dtype not in _INDEX_DTYPES:
+        raise InvalidInputError(name, "dtype int32 or int64", str(cu.dtype))
+    offsets = tuple(int(x) for x in cu.tolist())
+    if offsets[0] != 0:
+        raise InvalidInputError(name, f"{name}[0] == 0", f"{name}[0] == {offsets[0]}")
+    for i in range(1, len(offsets)):
+        if offsets[i] < offsets[i - 1]:
+            raise InvalidInputError(
+                name,
+                "non-decreasing offsets",
+                f"{name}[{i}] = {offsets[i]} < {name}[{i - 1}] = {offsets[i - 1]}",
+            )
+    if offsets[-1] != total:
+        raise InvalidInputError(
+            name,
+            f"{name}[-1] == {total_name} = {total}",
+            f"{name}[-1] = {offsets[-1]}",
+            "The last offset is the total token count of the ragged tensor",
+        )
+    return offsets
+
+
+def validate(
+    q: object,
+    k: object,
+    v: object,
+    q_cu_seq_lens: object,
+    kv_cu_seq_lens: object | None,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> RaggedBatch:
+    """Check every rule of the contract; raise `InvalidInputError` naming the first one broken."""
+    q = _check_tensor("q", q, "[Tq, H, Dqk]")
+    k = _check_tensor("k", k, "[Tk, H, Dqk]")
+    v = _check_tensor("v", v, "[Tk, H, Dv]")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise InvalidInputError(
+            "k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}"
+        )
+    tq, h, dqk = q.shape
+    if h < 1 or dqk < 1:
+        raise InvalidInputError("q", "H >= 1 and Dqk >= 1", f"shape {tuple(q.shape)}")
+    if k.shape[1] != h or k.shape[2] != dqk:
+        raise InvalidInputError(
+            "k", f"[Tk, H={h}, Dqk={dqk}] (heads and head dim of q)", f"shape {tuple(k.shape)}"
+        )
+    if v.shape[0] != k.shape[0] or v.shape[1] != h:
+        raise InvalidInputError(
+            "v", f"[Tk={k.shape[0]}, H={h}, Dv] (tokens of k, heads of q)", f"shape {tuple(v.shape)}"
+        )
+    if not 1 <= v.shape[2] <= dqk:
+        raise InvalidInputError("v", f"head dim 1 <= Dv <= Dqk = {dqk}", f"Dv = {v.shape[2]}")
+    q_cu = _check_cu_seq_lens("q_cu_seq_lens", q_cu_seq_lens, tq, "Tq")
+    if kv_cu_seq_lens is None:
+        if k.shape[0] != tq:
+            raise InvalidInputError(
+                "kv_cu_seq_lens",
+                "a tensor when k has a different token count than q",
+                f"None with Tq = {tq}, Tk = {k.shape[0]}",
+            )
+        kv_cu = q_cu
+    else:
+        kv_cu = _check_cu_seq_lens("kv_cu_seq_lens", kv_cu_seq_lens, int(k.shape[0]), "Tk")
+        if len(kv_cu) != len(q_cu):
+            raise InvalidInputError(
+                "kv_cu_seq_lens",
+                f"{len(q_cu)} offsets (B + 1, as q_cu_seq_lens)",
+                f"{len(kv_cu)} offsets",
+            )
+    if scale is None:
+        scale = dqk**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise InvalidInputError("scale", "a float or None", type(scale).__name__)
+    elif not (math.isfinite(scale) and scale > 0):
+        raise InvalidInputError("scale", "a finite number > 0", repr(scale))
+    return RaggedBatch(q, k, v, q_cu, kv_cu, bool(causal), float(scale))

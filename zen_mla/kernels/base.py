@@ -1,0 +1,52 @@
+"""What every attention kernel offers the ragged-batch driver."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+__all__ = ["AttentionKernel"]
+
+
+class AttentionKernel:
+    """One dense attention kernel over a batch of equal-length requests.
+
+    Capabilities are class-level and `is_available()` is decided once per process, so the
+    driver picks a kernel at selection time and never re-checks per call.
+    """
+
+    name: ClassVar[str]
+    #: gives an fp32-accurate log-sum-exp (within 1e-3 of fp64) along with `out`
+    returns_lse: ClassVar[bool]
+    #: wants `Dv == Dqk`: the driver pads V once per batch and slices the padding off `out`
+    needs_equal_head_dims: ClassVar[bool]
+    #: input dtypes computed at their own precision
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """'' where the kernel can run on this host, else why not (checked once, cached)."""
+        return ""
+
+    @classmethod
+    def forward(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool,
+        mask: torch.Tensor | None,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of `n` equal-length requests.
+
+        q: `[n, H, Sq, D]`, k: `[n, H, Sk, D]`, v: `[n, H, Sk, Dv]` (any strides, unit last
+        stride). `causal` is the top-left triangle and is only passed with `Sq == Sk`; other
+        masks come as `mask`, an additive `[Sq, Sk]` tensor of q's dtype (0 or -inf) that leaves
+        every query at least one key. Returns out `[n, H, Sq, Dv]` in q's dtype (any strides)
+        and, when `return_lse` (only asked of kernels with `returns_lse`), lse `[n, H, Sq]` fp32.
+        """
+        raise NotImplementedError

@@ -1,0 +1,56 @@
+"""The fp32 reference: matmul, mask, softmax, matmul, log-sum-exp, one query block at a time."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import AttentionKernel
+
+__all__ = ["ReferenceKernel"]
+
+#: fp32 scores held at once; vLLM's reference path holds all of `[H, Sq, Sk]` (4 GiB at 8192^2)
+SCORE_BUDGET_BYTES = 64 << 20
+
+
+class ReferenceKernel(AttentionKernel):
+    """vLLM's fp32 per-request path, blocked over queries so memory stays bounded."""
+
+    name: ClassVar[str] = "reference"
+    returns_lse: ClassVar[bool] = True
+    needs_equal_head_dims: ClassVar[bool] = False
+
+    @classmethod
+    def forward(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool,
+        mask: torch.Tensor | None,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, h, sq, _ = q.shape
+        sk = k.shape[2]
+        k_t = k.float().transpose(-1, -2)
+        v32 = v.float()
+        out = torch.empty(n, h, sq, v.shape[-1], dtype=torch.float32)
+        lse = torch.empty(n, h, sq, dtype=torch.float32)
+        rows = max(1, SCORE_BUDGET_BYTES // (4 * n * h * max(sk, 1)))
+        cols = torch.arange(sk)
+        for a in range(0, sq, rows):
+            b = min(sq, a + rows)
+            scores = torch.matmul(q[:, :, a:b].float(), k_t).mul_(scale)  # [n, H, b - a, Sk]
+            if causal:
+                hidden = cols[None, :] > torch.arange(a, b)[:, None]
+                scores.masked_fill_(hidden, float("-inf"))
+            if mask is not None:
+                scores.add_(mask[a:b].float())
+            block_lse = torch.logsumexp(scores, dim=-1)
+            probs = scores.sub_(block_lse.unsqueeze(-1)).exp_()
+            torch.matmul(probs, v32, out=out[:, :, a:b])
+            lse[:, :, a:b] = block_lse
+        return out.to(q.dtype), (lse if return_lse else None)
