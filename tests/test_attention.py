@@ -75,9 +75,7 @@ def test_matches_fp64_reference(spec, heads, dtype, causal, return_lse, kernel):
     out, lse = got if return_lse else (got, None)
     kv_list = (kv_cu if kv_cu is not None else q_cu).tolist()
     ref_out, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale)
-    baseline = attention_same_precision(
-        q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale
-    )
+    baseline = attention_same_precision(q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale)
 
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2])
     assert out.dtype == v.dtype
@@ -96,7 +94,9 @@ def test_matches_fp64_reference(spec, heads, dtype, causal, return_lse, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_queries_that_see_no_key_are_zero_and_minus_inf(kernel):
-    q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["more_queries_than_keys"], (2, 64, 32), torch.bfloat16)
+    q, k, v, q_cu, kv_cu = make_batch(
+        BATCH_SPECS["more_queries_than_keys"], (2, 64, 32), torch.bfloat16
+    )
     out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel=kernel)
     # request 0: 10 queries, 4 keys -> the first 6 see nothing; request 1: no keys at all
     blind_rows = [*range(0, 6), *range(10, 15)]
@@ -109,17 +109,23 @@ def test_queries_that_see_no_key_are_zero_and_minus_inf(kernel):
 def test_custom_scale(kernel):
     q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 48), torch.float32)
     out, lse = zen_mla.ragged_attention(q, k, v, q_cu, scale=0.37, return_lse=True, kernel=kernel)
-    ref_out, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), q_cu.tolist(), causal=True, scale=0.37)
+    ref_out, ref_lse = attention_fp64(
+        q, k, v, q_cu.tolist(), q_cu.tolist(), causal=True, scale=0.37
+    )
     assert (out.double() - ref_out).abs().max().item() < 1e-4
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
 
 
 def test_lse_is_fp32_accurate_where_bf16_scores_would_not_be():
     """Large scores (|s| ~ 100): a bf16-rounded score alone would be off by ~0.4."""
-    q, k, v, q_cu, kv_cu = make_batch(BatchSpec([64, 17], [256, 300]), (4, 192, 128), torch.bfloat16)
+    q, k, v, q_cu, kv_cu = make_batch(
+        BatchSpec([64, 17], [256, 300]), (4, 192, 128), torch.bfloat16
+    )
     q, k = q * 4, k * 4
-    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)
-    _, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=False, scale=192**-0.5)
+    _out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)
+    _, ref_lse = attention_fp64(
+        q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=False, scale=192**-0.5
+    )
     assert ref_lse.abs().max() > 50
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
 
@@ -131,7 +137,9 @@ def test_strided_inputs_are_read_in_place():
     q, k, v = qkv[..., :192], qkv[..., 192:384], qkv[..., 384:]
     q_cu = torch.tensor([0, 20, 50])
     got = zen_mla.ragged_attention(q, k, v, q_cu, kernel="torch")
-    want = zen_mla.ragged_attention(q.contiguous(), k.contiguous(), v.contiguous(), q_cu, kernel="torch")
+    want = zen_mla.ragged_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), q_cu, kernel="torch"
+    )
     assert torch.equal(got, want)
 
 

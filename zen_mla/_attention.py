@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, overload
 
 import torch
@@ -17,7 +18,7 @@ MASK_BUDGET_BYTES = 16 << 20
 
 def _heads_first(t: torch.Tensor, start: int, count: int, seq: int) -> torch.Tensor:
     """`[count, H, seq, D]` strided view of rows `[start, start + count * seq)` of `[T, H, D]`."""
-    return t[start : start + count * seq].unflatten(0, (count, seq)).transpose(1, 2)
+    return t[start : start + count * seq].view(count, seq, *t.shape[1:]).transpose(1, 2)
 
 
 def _bottom_right_mask(rows: range, sq: int, sk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +56,7 @@ def attend(
         out_r = _heads_first(out, run.q_start, run.count, run.sq)
         lse_r = (
             lse[:, run.q_start : run.q_start + run.count * run.sq]
-            .unflatten(1, (run.count, run.sq))
+            .view(h, run.count, run.sq)
             .transpose(0, 1)
             if lse is not None
             else None
@@ -77,17 +78,17 @@ def attend(
         q_r = _heads_first(batch.q, run.q_start, run.count, run.sq)
         k_r = _heads_first(batch.k, run.kv_start, run.count, run.sk)
         v_r = _heads_first(v, run.kv_start, run.count, run.sk)
-        call = {"scale": batch.scale, "return_lse": return_lse}
+        call = functools.partial(kernel.forward, scale=batch.scale, return_lse=return_lse)
 
         if not batch.causal:
-            put(slice(None), *kernel.forward(q_r, k_r, v_r, causal=False, mask=None, **call))
+            put(slice(None), *call(q_r, k_r, v_r, causal=False, mask=None))
         elif run.sq >= run.sk:
             # Bottom-right: the first Sq - Sk queries see nothing, the rest form the usual
             # triangle, which is the kernels' (top-left) is_causal on a square.
             first = run.sq - run.sk
             if first:
                 blind(slice(0, first))
-            o, lo = kernel.forward(q_r[:, :, first:], k_r, v_r, causal=True, mask=None, **call)
+            o, lo = call(q_r[:, :, first:], k_r, v_r, causal=True, mask=None)
             put(slice(first, None), o, lo)
         else:
             # Prefix-cached (Sq < Sk): every query sees the Sk - Sq cached keys plus its own
@@ -99,9 +100,8 @@ def attend(
                 b = min(run.sq, a + step)
                 seen = b + run.sk - run.sq
                 mask = _bottom_right_mask(range(a, b), run.sq, run.sk, q_r.dtype)[:, :seen]
-                o, lo = kernel.forward(
-                    q_r[:, :, a:b], k_r[:, :, :seen], v_r[:, :, :seen],
-                    causal=False, mask=mask, **call,
+                o, lo = call(
+                    q_r[:, :, a:b], k_r[:, :, :seen], v_r[:, :, :seen], causal=False, mask=mask
                 )
                 put(slice(a, b), o, lo)
     return out, lse
@@ -109,15 +109,29 @@ def attend(
 
 @overload
 def ragged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None = None, *, causal: bool = True,
-    return_lse: Literal[False] = False, scale: float | None = None, kernel: str = "auto",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    return_lse: Literal[False] = False,
+    scale: float | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor: ...
 @overload
 def ragged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None = None, *, causal: bool = True,
-    return_lse: Literal[True], scale: float | None = None, kernel: str = "auto",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    return_lse: Literal[True],
+    scale: float | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 def ragged_attention(
     q: torch.Tensor,

@@ -115,7 +115,9 @@ def _check_cu_seq_lens(name: str, cu: object, total: int, total_name: str) -> tu
     if not isinstance(cu, torch.Tensor):
         raise InvalidInputError(name, "a torch.Tensor [B + 1]", type(cu).__name__)
     if cu.ndim != 1 or cu.numel() < 1:
-        raise InvalidInputError(name, "a 1-D tensor [B + 1] with B >= 0", f"shape {tuple(cu.shape)}")
+        raise InvalidInputError(
+            name, "a 1-D tensor [B + 1] with B >= 0", f"shape {tuple(cu.shape)}"
+        )
     if cu.dtype not in _INDEX_DTYPES:
         raise InvalidInputError(name, "dtype int32 or int64", str(cu.dtype))
     offsets = tuple(int(x) for x in cu.tolist())
@@ -153,9 +155,7 @@ def validate(
     k = _check_tensor("k", k, "[Tk, H, Dqk]")
     v = _check_tensor("v", v, "[Tk, H, Dv]")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise InvalidInputError(
-            "k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}"
-        )
+        raise InvalidInputError("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
     tq, h, dqk = q.shape
     if h < 1 or dqk < 1:
         raise InvalidInputError("q", "H >= 1 and Dqk >= 1", f"shape {tuple(q.shape)}")
@@ -165,7 +165,9 @@ def validate(
         )
     if v.shape[0] != k.shape[0] or v.shape[1] != h:
         raise InvalidInputError(
-            "v", f"[Tk={k.shape[0]}, H={h}, Dv] (tokens of k, heads of q)", f"shape {tuple(v.shape)}"
+            "v",
+            f"[Tk={k.shape[0]}, H={h}, Dv] (tokens of k, heads of q)",
+            f"shape {tuple(v.shape)}",
         )
     if not 1 <= v.shape[2] <= dqk:
         raise InvalidInputError("v", f"head dim 1 <= Dv <= Dqk = {dqk}", f"Dv = {v.shape[2]}")

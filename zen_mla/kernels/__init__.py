@@ -27,9 +27,7 @@ KERNELS: dict[str, type[AttentionKernel]] = {
 KERNEL_NAMES = ("auto", *KERNELS)
 
 
-def select_kernel(
-    kernel: str, dtype: torch.dtype, *, return_lse: bool
-) -> type[AttentionKernel]:
+def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[AttentionKernel]:
     """The kernel that computes `out` (and `lse`) for a request naming `kernel`.
 
     "auto" follows `zentorch_status()["auto_kernel"]`, falling back to torch for a dtype the
@@ -48,7 +46,9 @@ def select_kernel(
         reason = f"it computes {dtype} at lower precision"
     if reason:
         raise KernelUnavailableError(
-            "kernel", f"a kernel that runs here ({kernel!r} cannot: {reason})", repr(kernel),
+            "kernel",
+            f"a kernel that runs here ({kernel!r} cannot: {reason})",
+            repr(kernel),
             'Use kernel="auto" to take the best available one',
         )
     if return_lse and not chosen.returns_lse:

@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmark scripts: the contract's reference batches, timing, tables."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+OUT_DIR = Path(__file__).parent / "out"
+H, DQK, DV = 16, 192, 128
+
+
+@dataclass(frozen=True)
+class RefBatch:
+    q_lens: list[int]
+    kv_lens: list[int]
+    causal: bool
+    return_lse: bool
+
+
+# The contract's reference batches (DeepSeek-V3/R1 MLA, 16 heads per TP rank, bf16).
+REFERENCE_BATCHES = {
+    "long": RefBatch([4096], [4096], causal=True, return_lse=False),
+    "mixed": RefBatch(
+        [2048, 1024, 512, 256, 128, 64], [2048, 1024, 512, 256, 128, 64], True, False
+    ),
+    "short": RefBatch([64] * 32, [64] * 32, causal=True, return_lse=False),
+    "chunk": RefBatch([256] * 4, [2048] * 4, causal=False, return_lse=True),
+}
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def make_inputs(spec: RefBatch, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(spec.q_lens), sum(spec.kv_lens)
+    return {
+        "q": torch.randn(tq, H, DQK, generator=gen).bfloat16(),
+        "k": torch.randn(tk, H, DQK, generator=gen).bfloat16(),
+        "v": torch.randn(tk, H, DV, generator=gen).bfloat16(),
+        "q_cu_seq_lens": cu(spec.q_lens),
+        "kv_cu_seq_lens": cu(spec.kv_lens),
+    }
+
+
+def useful_flops(spec: RefBatch) -> float:
+    """2 * H * (Dqk + Dv) per visible (query, key) pair: the work attention must do."""
+    pairs = 0
+    for sq, sk in zip(spec.q_lens, spec.kv_lens, strict=True):
+        if spec.causal:
+            seen = min(sq, sk)
+            pairs += seen * (sk - seen) + seen * (seen + 1) // 2
+        else:
+            pairs += sq * sk
+    return 2.0 * H * (DQK + DV) * pairs
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired_medians(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each function, run interleaved (a, b, c, a, b, c, ...) after a warm-up,
+    so a noisy neighbour hits every method alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        padded = (str(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+        return "| " + " | ".join(padded) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])

@@ -1,0 +1,178 @@
+"""Kernel benchmark: zen_mla.ragged_attention against vLLM's CPU MLA prefill paths, side by side.
+
+    .venv/bin/python bench/kernel.py [--reps 7] [--skip-memory]
+
+Prints Markdown tables (paste into README.md) and writes bench/out/kernel.png.
+Times are medians of interleaved runs in one process with the same threads; quote the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import _common as c
+import vllm_baseline
+
+import zen_mla
+
+
+def roofline_tflops(reps: int) -> float:
+    a = torch.randn(4096, 4096).bfloat16()
+    b = torch.randn(4096, 4096).bfloat16()
+    a @ b
+    t = min(c.timed(lambda: a @ b) for _ in range(reps))  # a roofline is the best case
+    return 2 * 4096**3 / t / 1e12
+
+
+def methods(spec: c.RefBatch, has_zen: bool) -> dict[str, Callable[[], object]]:
+    """Every method timed on one reference batch, vLLM's first."""
+    x = c.make_inputs(spec)
+    args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
+    causal, scale = spec.causal, c.DQK**-0.5
+
+    def ours(kernel: str, lse: bool = False) -> Callable[[], object]:
+        return lambda: zen_mla.ragged_attention(*args, causal=causal, return_lse=lse, kernel=kernel)
+
+    fns: dict[str, Callable[[], object]] = {}
+    if has_zen:
+        fns["vllm zen loop"] = lambda: vllm_baseline.zen_loop(*args, causal=causal, scale=scale)
+    fns["vllm fp32 lse"] = lambda: vllm_baseline.fp32_lse_path(*args, causal=causal, scale=scale)
+    for kernel in (["zentorch"] if has_zen else []) + ["torch", "auto"]:
+        fns[f"ours {kernel}"] = ours(kernel)
+    fns["ours lse"] = ours("auto", lse=True)
+    fns["ours lse reference"] = ours("reference", lse=True)
+    return fns
+
+
+def speed(reps: int) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
+    has_zen = zen_mla.zentorch_status()["ops"]["zentorch_sdpa"]
+    rows, results = [], {}
+    for name, spec in c.REFERENCE_BATCHES.items():
+        med = c.paired_medians(methods(spec, has_zen), reps)
+        results[name] = med
+        flops = c.useful_flops(spec)
+        for method, t in med.items():
+            ref = med["vllm fp32 lse"] if "lse" in method else med.get("vllm zen loop")
+            rows.append(
+                [
+                    name,
+                    method,
+                    f"{t * 1e3:.2f}",
+                    f"{ref / t:.2f}x" if ref else "-",
+                    f"{flops / t / 1e12:.3f}",
+                ]
+            )
+    return rows, results
+
+
+MEMORY_SNIPPET = r"""
+import sys, torch, json
+sys.path.insert(0, {bench!r}); sys.path.insert(0, {root!r})
+import _common as c, vllm_baseline, zen_mla
+spec = c.RefBatch([{n}], [{n}], causal=True, return_lse=True)
+x = c.make_inputs(spec)
+args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
+zen_mla.zentorch_status()
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
+before = hwm()
+if {method!r} == "vllm":
+    vllm_baseline.fp32_lse_path(*args, causal=True, scale=192 ** -0.5)
+else:
+    zen_mla.ragged_attention(*args, return_lse=True, kernel={method!r})
+print(json.dumps(hwm() - before))
+"""
+
+
+def peak_extra_memory(method: str, n: int) -> int:
+    code = MEMORY_SNIPPET.format(
+        bench=str(Path(__file__).parent), root=str(Path(__file__).parent.parent), n=n, method=method
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def plot(results: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ax.bar(
+            [b + i * width for b in range(len(results))],
+            [results[n][m] * 1e3 for n in results],
+            width,
+            label=m,
+        )
+    ax.set_xticks([b + 0.4 - width / 2 for b in range(len(results))], list(results))
+    ax.set_yscale("log")
+    ax.set_ylabel("median ms (log)")
+    ax.set_title("MLA prefill attention, H=16, Dqk=192, Dv=128, bf16 (lower is better)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+LABELS = {
+    "auto": "ours lse (torch flash)",
+    "reference": "ours lse reference",
+    "vllm": "vllm fp32 lse",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    c.OUT_DIR.mkdir(exist_ok=True)
+    status = zen_mla.zentorch_status()
+    cpu = status["cpu"]
+    print(
+        f"CPU: {cpu['model']} ({cpu['vendor']}), threads: {torch.get_num_threads()}, "
+        f"zentorch {status['version']}, op usable: {status['ops']['zentorch_sdpa']}, "
+        f"auto -> {status['auto_kernel']}"
+    )
+    roof = roofline_tflops(args.reps)
+    print(f"\nRoofline: 4096^3 bf16 matmul = {roof:.3f} TFLOP/s\n")
+    rows, results = speed(args.reps)
+    for r in rows:
+        r.append(f"{float(r[4]) / roof:.0%}")
+    print(
+        c.table(["batch", "method", "median ms", "vs vLLM", "useful TFLOP/s", "of roofline"], rows)
+    )
+    plot(results, c.OUT_DIR / "kernel.png")
+    print(f"\nplot: {c.OUT_DIR / 'kernel.png'}")
+    if not args.skip_memory:
+        mem_rows = []
+        for method, n in [("auto", 8192), ("reference", 8192), ("vllm", 8192)]:
+            b = peak_extra_memory(method, n)
+            label = {
+                "auto": "ours lse (torch flash)",
+                "reference": "ours lse reference",
+                "vllm": "vllm fp32 lse",
+            }[method]
+            mem_rows.append([f"1 x {n}", label, f"{b / 2**30:.2f}"])
+        print("\nPeak extra memory, LSE path, H=16, causal\n")
+        print(c.table(["batch", "method", "peak extra GiB"], mem_rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zen_mla
+from zen_mla import _status
+
+
+def test_status_has_the_contract_fields():
+    status = zen_mla.zentorch_status()
+    assert set(status) >= {"installed", "version", "ops", "cpu", "auto_kernel", "reason"}
+    assert isinstance(status["ops"]["zentorch_sdpa"], bool)
+    assert set(status["cpu"]) >= {"vendor", "model", "avx512_bf16"}
+    assert status["auto_kernel"] in ("zentorch", "torch")
+    if status["auto_kernel"] == "zentorch":
+        assert status["ops"]["zentorch_sdpa"] and status["cpu"]["zen"]
+    if status["ops"]["zentorch_sdpa"]:
+        assert status["installed"] and status["version"]
+
+
+def test_cpu_facts_match_proc_cpuinfo():
+    text = Path("/proc/cpuinfo").read_text()
+    facts = _status.cpu_facts()
+    assert f"vendor_id\t: {facts['vendor']}" in text
+    assert facts["avx512_bf16"] == (" avx512_bf16" in text)
+
+
+@pytest.mark.zentorch
+def test_probe_rejects_an_op_that_gives_wrong_numbers():
+    def broken(q, k, v, *args, **kwargs):
+        return torch.zeros_like(q), None
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("Illegal instruction")
+
+    assert _status._probe(_status.zentorch_op()) == ""
+    assert "disagrees" in _status._probe(broken)
+    assert "raised on this CPU" in _status._probe(raising)
