@@ -1,19 +1,32 @@
-"""zen-mla: ragged MLA prefill attention on AMD EPYC CPUs, as a library and a service."""
+"""zen-mla: ragged MLA prefill attention on AMD EPYC CPUs, as a library and a service.
 
-from ._attention import ragged_attention
+Importing the package does not import torch: worker processes must set their CPU affinity and
+thread environment first. The names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     InvalidInputError,
     KernelError,
     KernelUnavailableError,
+    PoolClosedError,
     WorkTooLargeError,
     ZenMLAError,
 )
-from ._status import zentorch_status
+
+if TYPE_CHECKING:
+    from ._attention import ragged_attention
+    from ._status import zentorch_status
 
 __all__ = [
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
+    "PoolClosedError",
     "WorkTooLargeError",
     "ZenMLAError",
     "ragged_attention",
@@ -21,3 +34,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = {"ragged_attention": "._attention", "zentorch_status": "._status"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

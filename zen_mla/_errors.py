@@ -4,7 +4,8 @@
     ├── InvalidInputError (ValueError)   a tensor or argument breaks the contract -> HTTP 422
     │   ├── KernelUnavailableError       a kernel was forced where it cannot run
     │   └── WorkTooLargeError            the request's work is over the configured cap
-    └── KernelError (RuntimeError)       a kernel or worker failed on valid input -> HTTP 500
+    ├── KernelError (RuntimeError)       a kernel or worker failed on valid input -> HTTP 500
+    └── PoolClosedError (RuntimeError)   the worker pool is shut down or shutting down -> HTTP 503
 
 Every error crossing a boundary (worker -> library, library -> HTTP, HTTP -> client) is mapped
 through the table in the module that owns that boundary, never ad hoc.
@@ -16,6 +17,7 @@ __all__ = [
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
+    "PoolClosedError",
     "WorkTooLargeError",
     "ZenMLAError",
 ]
@@ -52,3 +54,7 @@ class WorkTooLargeError(InvalidInputError):
 
 class KernelError(ZenMLAError, RuntimeError):
     """A kernel or worker failed on input that passed validation."""
+
+
+class PoolClosedError(ZenMLAError, RuntimeError):
+    """The worker pool is closed, or closed while the request waited or ran."""
