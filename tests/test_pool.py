@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zen_mla
-from tests.test_attention import BATCH_SPECS, make_batch
+from tests.test_attention import BATCH_SPECS, BatchSpec, make_batch
 from zen_mla.pool import PoolConfig, WorkerPool
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -168,3 +168,21 @@ def test_no_shared_memory_or_descriptor_leaks_over_many_batches(pool):
         pool.run(q, k, v, q_cu, kv_cu, return_lse=True).release()
     assert _open_fds() <= fds + 2  # the buffer cache may hold a couple more
     assert set(os.listdir("/dev/shm")) <= shm
+
+
+def _memfd_mappings(pid: int) -> set[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[-2] for line in maps if "memfd:zen-mla-" in line}
+
+
+def test_workers_unmap_buffers_the_supervisor_frees(pool):
+    for n in range(1, 25):  # a new size each time: buffers come and go
+        q, k, v, q_cu, _ = make_batch(BatchSpec([n * 40]), (2, 64, 64), torch.float32, seed=n)
+        pool.run(q, k, v, q_cu).release()
+    pool._cache.clear()
+    gc.collect()
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
+    for _ in range(2 * len(pool.workers())):  # every worker gets a task carrying its forgets
+        pool.run(q, k, v, q_cu).release()
+    for w in pool.workers():
+        assert len(_memfd_mappings(w["pid"])) <= 6, "freed buffers stay mapped"

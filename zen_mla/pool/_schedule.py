@@ -2,8 +2,8 @@
 
 Cost of a request is its visible (query, key) pairs times its heads. A request costing more than
 half a worker's fair share is split by heads, so one long request uses every CCX; runs of cheap
-requests are packed together whole (the kernel batches equal lengths), and pieces go
-longest-first to the least-loaded worker (LPT: within 4/3 of the best makespan).
+requests are packed together whole, up to one share (the kernel batches equal lengths), and
+pieces go longest-first to the least-loaded worker (LPT: within 4/3 of the best makespan).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def schedule(
     plan: list[list[Piece]] = [[] for _ in range(workers)]
     if total == 0:
         return plan  # nothing to compute: empty requests are left to the caller's zero fill
-    grain = max(total / workers / 2, 1)
+    share = max(total / workers, 1)  # a worker's fair share
+    grain = share / 2  # requests above it are split by heads
     pieces: list[Piece] = []
     r = 0
     while r < b:
@@ -87,7 +88,8 @@ def schedule(
             r += 1
             continue
         r1, acc = r, 0
-        while r1 < b and costs[r1] <= grain and acc + costs[r1] <= grain:
+        # pack up to a whole share: each kernel call then batches as many requests as it can
+        while r1 < b and costs[r1] <= grain and acc + costs[r1] <= share:
             acc += costs[r1]
             r1 += 1
         pieces.append(_piece(q_cu, kv_cu, r, r1, 0, heads, acc))

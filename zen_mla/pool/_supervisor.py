@@ -8,7 +8,6 @@ on another; a job abandoned by its caller has its busy workers killed and replac
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -146,6 +145,7 @@ class _Worker:
         self.load = 0
         self.alive = False
         self.restarts = 0
+        self.mapped: set[int] = set()  # buffer ids the process has mapped
         self.thread: threading.Thread | None = None
 
 
@@ -162,7 +162,9 @@ class WorkerPool:
         ccxs = discover_ccxs(self.config.sysfs)
         self.slots = plan_workers(ccxs, self.config.workers, smt=self.config.smt)
         self._workers = [_Worker(s) for s in self.slots]
-        self._cache = BufferCache(self.config.cache_bytes)
+        self._freed: set[int] = set()  # buffer ids freed here but still mapped by a worker
+        self._freed_lock = threading.Lock()
+        self._cache = BufferCache(self.config.cache_bytes, self._buffer_freed)
         self._ids = itertools.count(1)
         self._closing = False
         #: input bytes copied into shared memory because they came from ordinary memory
@@ -259,6 +261,7 @@ class WorkerPool:
                         os.environ[v] = old
         child.close()
         w.process, w.conn, w.alive = proc, parent, False
+        w.mapped = set()
 
     def _await_ready(self, w: _Worker, deadline: float) -> None:
         assert w.conn is not None
@@ -338,10 +341,21 @@ class WorkerPool:
             return None
         if task.job.started_at is None:
             task.job.started_at = time.perf_counter()
+        with self._freed_lock:
+            forget = w.mapped & self._freed
+            w.mapped -= forget
+            self._freed -= {i for i in forget if not any(i in o.mapped for o in self._workers)}
+        fresh = [b for b in task.buffers if b.id not in w.mapped]
+        spec = {
+            **task.spec,
+            "buffers": [(b.id, b.nbytes, b in fresh) for b in task.buffers],
+            "forget": sorted(forget),
+        }
         try:
-            conn.send(("run", task.id, task.spec))
-            for buf in task.buffers:
+            conn.send(("run", task.id, spec))
+            for buf in fresh:
                 send_handle(conn, buf.fd, proc.pid)
+                w.mapped.add(buf.id)
             while True:
                 ready = wait([conn, proc.sentinel])
                 if conn in ready:
@@ -464,7 +478,6 @@ class WorkerPool:
             "kernel": kernel,
             "causal": batch.causal,
             "scale": batch.scale,
-            "buffers": [(b.id, b.nbytes) for b in buffers],
             "q": tensor_ref(src, tensors[0]),
             "k": tensor_ref(src, tensors[1]),
             "v": tensor_ref(src, tensors[2]),
@@ -506,6 +519,11 @@ class WorkerPool:
             self._enqueue(min(self._workers, key=lambda w: w.load), task)
         job._future.add_done_callback(lambda _: self._forget(job))
         return job
+
+    def _buffer_freed(self, buf_id: int) -> None:
+        with self._freed_lock:
+            if any(buf_id in w.mapped for w in self._workers):
+                self._freed.add(buf_id)
 
     def _forget(self, job: PoolJob) -> None:
         with self._lock:

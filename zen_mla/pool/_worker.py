@@ -22,8 +22,8 @@ def _setup(cpus: tuple[int, ...], threads: int) -> None:
 def main(conn: Connection, cpus: tuple[int, ...], threads: int, warm_zentorch: bool) -> None:
     """Entry point of a spawned worker. Messages (tuples, never tensor bytes):
 
-    in:  ("run", task_id, spec) followed by one descriptor per spec["buffers"] entry;
-         ("ping", n); ("stop",)
+    in:  ("run", task_id, spec) followed by one descriptor per spec["buffers"] entry not
+         mapped yet; ("ping", n); ("stop",). spec["forget"]: buffers to unmap.
     out: ("ready", pid); ("done", task_id); ("error", task_id, type name, message); ("pong", n)
     """
     _setup(cpus, threads)
@@ -35,6 +35,9 @@ def main(conn: Connection, cpus: tuple[int, ...], threads: int, warm_zentorch: b
 
         zentorch_op()  # import zentorch now, not on the first request
     conn.send(("ready", os.getpid()))
+    # Mappings stay across tasks (the supervisor reuses buffers), so a task maps nothing new and
+    # touches no page table; the supervisor says which to forget when it frees a buffer.
+    maps: dict[int, Any] = {}
     while True:
         try:
             msg = conn.recv()
@@ -46,32 +49,37 @@ def main(conn: Connection, cpus: tuple[int, ...], threads: int, warm_zentorch: b
             conn.send(("pong", msg[1]))
             continue
         _, task_id, spec = msg
-        fds = [recv_handle(conn) for _ in spec["buffers"]]
+        for buf_id in spec["forget"]:
+            maps.pop(buf_id, None)
         try:
-            _run(spec, fds)
+            for buf_id, nbytes, sent in spec["buffers"]:
+                if sent:
+                    maps[buf_id] = _map(recv_handle(conn), nbytes)
+            _run(spec, maps)
         except Exception as exc:  # reported, never fatal: the next task gets a clean slate
             conn.send(("error", task_id, type(exc).__name__, str(exc)))
         else:
             conn.send(("done", task_id))
 
 
-def _run(spec: dict[str, Any], fds: list[int]) -> None:
+def _map(fd: int, nbytes: int) -> Any:
+    """A uint8 tensor over the buffer behind `fd` (closed here; the mapping keeps it)."""
     import torch
 
+    try:
+        m = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _run(spec: dict[str, Any], whole: dict[int, Any]) -> None:
     from zen_mla._attention import attend
     from zen_mla._ragged import RaggedBatch
     from zen_mla.kernels import KERNELS
 
     from ._shm import view
 
-    maps = {}
-    try:
-        for (buf_id, nbytes), fd in zip(spec["buffers"], fds, strict=True):
-            maps[buf_id] = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    whole = {i: torch.frombuffer(m, dtype=torch.uint8) for i, m in maps.items()}
     q, k, v, out = (
         view(whole[r.buffer], r) for r in (spec["q"], spec["k"], spec["v"], spec["out"])
     )
