@@ -1,23 +1,45 @@
-"""The exceptions zen_mla raises, in one tree.
+"""The exceptions zen_mla raises, in one tree, with the HTTP status each maps to.
 
     ZenMLAError
-    ├── InvalidInputError (ValueError)   a tensor or argument breaks the contract -> HTTP 422
-    │   ├── KernelUnavailableError       a kernel was forced where it cannot run
-    │   └── WorkTooLargeError            the request's work is over the configured cap
-    ├── KernelError (RuntimeError)       a kernel or worker failed on valid input -> HTTP 500
-    └── PoolClosedError (RuntimeError)   the worker pool is shut down or shutting down -> HTTP 503
+    ├── InvalidInputError (ValueError)      a tensor or argument breaks the contract     422
+    │   ├── KernelUnavailableError          a kernel was forced where it cannot run      422
+    │   ├── WorkTooLargeError               the request's work is over the cap           422
+    │   └── WireFormatError                 the body is not a readable safetensors file  400
+    ├── RequestRejectedError                the service refused the request as sent
+    │   ├── UnauthorizedError               bad or missing bearer token                  401
+    │   ├── LengthRequiredError             no Content-Length                            411
+    │   ├── BodyTooLargeError               Content-Length over the body limit           413
+    │   └── UnsupportedMediaTypeError       not application/octet-stream                 415
+    ├── OverloadedError                     try again later (see `retry_after`)
+    │   ├── QueueFullError                  the queue is full                            429
+    │   └── ServiceUnavailableError         not ready, or draining                       503
+    │       └── PoolClosedError             the worker pool is shut down                 503
+    ├── DeadlineExceededError (TimeoutError) past the request deadline, work abandoned   504
+    └── KernelError (RuntimeError)          a kernel or worker failed on valid input     500
 
-Every error crossing a boundary (worker -> library, library -> HTTP, HTTP -> client) is mapped
-through the table in the module that owns that boundary, never ad hoc.
+`STATUS` maps each class to its status and `BY_STATUS` back; the service answers with the first
+and the client raises with the second, so an error arrives as the class it left as.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BY_STATUS",
+    "STATUS",
+    "BodyTooLargeError",
+    "DeadlineExceededError",
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
+    "LengthRequiredError",
+    "OverloadedError",
     "PoolClosedError",
+    "QueueFullError",
+    "RequestRejectedError",
+    "ServiceUnavailableError",
+    "UnauthorizedError",
+    "UnsupportedMediaTypeError",
+    "WireFormatError",
     "WorkTooLargeError",
     "ZenMLAError",
 ]
@@ -38,6 +60,7 @@ class InvalidInputError(ZenMLAError, ValueError):
         self.name = name
         self.expected = expected
         self.got = got
+        self.hint = hint
         message = f"{name}: expected {expected}, got {got}"
         if hint:
             message = f"{message}. {hint}"
@@ -52,9 +75,91 @@ class WorkTooLargeError(InvalidInputError):
     """The request's attention work is over the configured cap."""
 
 
+class WireFormatError(InvalidInputError):
+    """The request body is not a safetensors file this service can read."""
+
+
+class RequestRejectedError(ZenMLAError):
+    """The service refused the request as sent (auth, size, media type)."""
+
+
+class UnauthorizedError(RequestRejectedError, PermissionError):
+    """A bearer token is required and was missing or wrong."""
+
+
+class LengthRequiredError(RequestRejectedError, ValueError):
+    """The request had no Content-Length; the body is sized from it before reading."""
+
+
+class BodyTooLargeError(RequestRejectedError, ValueError):
+    """The body is over the service's limit."""
+
+
+class UnsupportedMediaTypeError(RequestRejectedError, ValueError):
+    """The body is not `application/octet-stream`."""
+
+
+class OverloadedError(ZenMLAError):
+    """Try again later; `retry_after` seconds is the service's hint (None when unknown)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFullError(OverloadedError):
+    """The service's queue is full."""
+
+
+class ServiceUnavailableError(OverloadedError):
+    """The service is starting, draining or has no workers."""
+
+
+class PoolClosedError(ServiceUnavailableError):
+    """The worker pool is closed, or closed while the request waited or ran."""
+
+
+class DeadlineExceededError(ZenMLAError, TimeoutError):
+    """The request ran past its deadline; its work was abandoned."""
+
+
 class KernelError(ZenMLAError, RuntimeError):
     """A kernel or worker failed on input that passed validation."""
 
 
-class PoolClosedError(ZenMLAError, RuntimeError):
-    """The worker pool is closed, or closed while the request waited or ran."""
+STATUS: dict[type[ZenMLAError], int] = {
+    WireFormatError: 400,
+    UnauthorizedError: 401,
+    LengthRequiredError: 411,
+    BodyTooLargeError: 413,
+    UnsupportedMediaTypeError: 415,
+    KernelUnavailableError: 422,
+    WorkTooLargeError: 422,
+    InvalidInputError: 422,
+    QueueFullError: 429,
+    KernelError: 500,
+    PoolClosedError: 503,
+    ServiceUnavailableError: 503,
+    DeadlineExceededError: 504,
+}
+"""Most specific first: `status_of` takes the first class an error is an instance of."""
+
+BY_STATUS: dict[int, type[ZenMLAError]] = {
+    400: WireFormatError,
+    401: UnauthorizedError,
+    411: LengthRequiredError,
+    413: BodyTooLargeError,
+    415: UnsupportedMediaTypeError,
+    422: InvalidInputError,
+    429: QueueFullError,
+    500: KernelError,
+    503: ServiceUnavailableError,
+    504: DeadlineExceededError,
+}
+
+
+def status_of(exc: ZenMLAError) -> int:
+    for cls, status in STATUS.items():
+        if isinstance(exc, cls):
+            return status
+    return 500

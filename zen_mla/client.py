@@ -1,0 +1,259 @@
+"""Clients of the zen-mla service, on httpx: `PrefillClient` and `AsyncPrefillClient`.
+
+    with PrefillClient("http://127.0.0.1:8000") as client:
+        out, lse = client.prefill(q, k, v, q_cu_seq_lens, return_lse=True)
+
+`prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device
+(CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
+zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import torch
+
+from . import _errors, wire
+from ._errors import BY_STATUS, InvalidInputError, OverloadedError, ZenMLAError
+
+__all__ = ["AsyncPrefillClient", "PrefillClient"]
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.0)
+MAX_RETRY_WAIT = 30.0
+
+PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None,
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+    kernel: str,
+    request_id: str | None,
+) -> tuple[torch.device, list[bytes | memoryview], int]:
+    device = q.device
+    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu_seq_lens}
+    if kv_cu_seq_lens is not None:
+        tensors["kv_cu_seq_lens"] = kv_cu_seq_lens
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+    meta = wire.options_metadata(
+        causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
+    )
+    header, chunks = wire.encode({n: t.detach().cpu() for n, t in tensors.items()}, meta)
+    parts: list[bytes | memoryview] = [header, *chunks]
+    return device, parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+
+
+def _headers(token: str | None, length: int) -> dict[str, str]:
+    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _error(status: int, body: bytes, headers: httpx.Headers) -> ZenMLAError:
+    """The exception the service raised, from its problem+json (one table: `_errors`)."""
+    try:
+        import json
+
+        problem = json.loads(body)
+        assert isinstance(problem, dict)
+    except Exception:
+        problem = {"detail": body[:200].decode("utf-8", "replace")}
+    name = str(problem.get("type", "")).rpartition(":")[2]
+    cls = getattr(_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ZenMLAError)):
+        cls = BY_STATUS.get(status, ZenMLAError)
+    detail = str(problem.get("detail", f"HTTP {status}"))
+    if issubclass(cls, InvalidInputError):
+        return cls(
+            str(problem.get("tensor") or "body"),
+            str(problem.get("expected") or "a valid request"),
+            str(problem.get("got") or detail),
+        )
+    if issubclass(cls, OverloadedError):
+        retry = headers.get("retry-after")
+        return cls(detail, float(retry) if retry and retry.isdigit() else None)
+    return cls(detail)
+
+
+def _decode(buf: bytearray, device: torch.device, return_lse: bool) -> PrefillResult:
+    tensors, _meta = wire.decode(torch.frombuffer(buf, dtype=torch.uint8), wire.RESPONSE_TENSORS)
+    out = tensors["out"].to(device)
+    if return_lse:
+        return out, tensors["lse"].to(device)
+    return out
+
+
+def _retry_wait(exc: OverloadedError, attempt: int) -> float:
+    return min(exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt, MAX_RETRY_WAIT)
+
+
+class PrefillClient:
+    """Blocking client; one keep-alive connection pool, reused across calls.
+
+    `url`: the service's base URL (with `uds=`, the host part is only a name). `token`: bearer
+    token when the service has one. `retries`: how often 429/503 are retried.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        uds: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if transport is None and uds is not None:
+            transport = httpx.HTTPTransport(uds=uds)
+        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+        self._token, self._retries = token, retries
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        """As `zen_mla.ragged_attention`, computed by the service."""
+        device, parts, length = _request(
+            q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
+        )
+        for attempt in range(self._retries + 1):
+            try:
+                return self._post(parts, length, device, return_lse)
+            except OverloadedError as exc:
+                if attempt == self._retries:
+                    raise
+                time.sleep(_retry_wait(exc, attempt))
+        raise AssertionError("unreachable")
+
+    def _post(
+        self, parts: list[bytes | memoryview], length: int, device: torch.device, return_lse: bool
+    ) -> PrefillResult:
+        # memoryviews go to the socket as they are (httpx's annotation says bytes)
+        content: Any = iter(parts)
+        with self._http.stream(
+            "POST", "/prefill", content=content, headers=_headers(self._token, length)
+        ) as response:
+            if response.status_code != 200:
+                raise _error(response.status_code, response.read(), response.headers)
+            buf = bytearray(int(response.headers["content-length"]))
+            pos = 0
+            for chunk in response.iter_raw():
+                buf[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        return _decode(buf, device, return_lse)
+
+    def health(self) -> dict[str, Any]:
+        """The service's /health JSON (also when it answers 503)."""
+        result: dict[str, Any] = self._http.get("/health").json()
+        return result
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PrefillClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncPrefillClient:
+    """asyncio client; the same arguments and behaviour as `PrefillClient`."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        uds: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if transport is None and uds is not None:
+            transport = httpx.AsyncHTTPTransport(uds=uds)
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+        self._token, self._retries = token, retries
+
+    async def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        device, parts, length = _request(
+            q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
+        )
+        for attempt in range(self._retries + 1):
+            try:
+                return await self._post(parts, length, device, return_lse)
+            except OverloadedError as exc:
+                if attempt == self._retries:
+                    raise
+                await asyncio.sleep(_retry_wait(exc, attempt))
+        raise AssertionError("unreachable")
+
+    async def _post(
+        self, parts: list[bytes | memoryview], length: int, device: torch.device, return_lse: bool
+    ) -> PrefillResult:
+        async def body() -> AsyncIterator[bytes]:
+            for part in parts:
+                yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
+
+        async with self._http.stream(
+            "POST", "/prefill", content=body(), headers=_headers(self._token, length)
+        ) as response:
+            if response.status_code != 200:
+                raise _error(response.status_code, await response.aread(), response.headers)
+            buf = bytearray(int(response.headers["content-length"]))
+            pos = 0
+            async for chunk in response.aiter_raw():
+                buf[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        return _decode(buf, device, return_lse)
+
+    async def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = (await self._http.get("/health")).json()
+        return result
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncPrefillClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

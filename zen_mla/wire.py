@@ -1,0 +1,258 @@
+"""The wire format: one safetensors file per request and per response, parsed by hand.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (an object of
+`name -> {"dtype", "shape", "data_offsets": [begin, end]}` plus an optional `__metadata__` of
+string values), then the tensor bytes, offsets relative to the end of the header.
+
+The decoder never trusts the header: its size, the tensor count, every shape and offset are
+checked against the bytes that came, and tensors are views of the received buffer (no copy).
+The encoder gives the header and the tensors' bytes separately, so they can be sent as they lie.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ._errors import InvalidInputError, WireFormatError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "REQUEST_TENSORS",
+    "RESPONSE_TENSORS",
+    "PrefillOptions",
+    "decode",
+    "encode",
+    "header_length",
+    "parse_options",
+]
+
+#: generous for five tensors and the metadata (a real request header is ~600 bytes)
+MAX_HEADER_BYTES = 64 << 10
+MAX_METADATA_VALUE = 256
+REQUEST_TENSORS = frozenset({"q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"})
+RESPONSE_TENSORS = frozenset({"out", "lse"})
+REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
+
+DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def header_length(prefix: bytes | memoryview, body_bytes: int) -> int:
+    """N from the first 8 bytes, checked against the cap and the body's size."""
+    if body_bytes < 8 or len(prefix) < 8:
+        raise WireFormatError(
+            "body", "a safetensors file (8-byte header length first)", f"{body_bytes} bytes"
+        )
+    n: int = struct.unpack("<Q", prefix[:8])[0]
+    if n > MAX_HEADER_BYTES:
+        raise WireFormatError("header", f"at most {MAX_HEADER_BYTES} bytes", f"{n} bytes")
+    if 8 + n > body_bytes:
+        raise WireFormatError(
+            "header", f"to fit in the {body_bytes}-byte body", f"a header of {n} bytes"
+        )
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _entry(name: str, raw: object, data_bytes: int) -> _Entry:
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+        raise WireFormatError(
+            name, 'an object with "dtype", "shape", "data_offsets"', repr(raw)[:80]
+        )
+    dtype = DTYPES.get(raw["dtype"]) if isinstance(raw["dtype"], str) else None
+    if dtype is None:
+        raise WireFormatError(name, f"a dtype among {', '.join(DTYPES)}", repr(raw["dtype"])[:40])
+    shape = raw["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 8
+        or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape)
+    ):
+        raise WireFormatError(
+            name, "a shape of at most 8 dims, each 0 <= d < 2^48", repr(shape)[:80]
+        )
+    offsets = raw["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+    ):
+        raise WireFormatError(
+            name,
+            f"data_offsets [begin, end] within the {data_bytes} data bytes",
+            repr(offsets)[:80],
+        )
+    size = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != size:
+        raise WireFormatError(
+            name,
+            f"{size} bytes for shape {shape} of {raw['dtype']}",
+            f"{offsets[1] - offsets[0]} bytes",
+        )
+    return _Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def decode(
+    body: torch.Tensor, allowed: frozenset[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (views of `body`, a uint8 tensor holding the whole file) and the metadata.
+
+    Raises WireFormatError (unreadable: HTTP 400) or InvalidInputError (readable, but names or
+    metadata the protocol does not have: HTTP 422).
+    """
+    n = body.numel()
+    prefix = bytes(body[:8].tolist()) if n >= 8 else b""
+    hlen = header_length(prefix, n)
+    try:
+        header = json.loads(body[8 : 8 + hlen].numpy().tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireFormatError("header", "JSON", f"invalid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise WireFormatError("header", "a JSON object", type(header).__name__)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(v, str) and len(v) <= MAX_METADATA_VALUE for v in metadata.values()
+    ):
+        raise WireFormatError(
+            "__metadata__", f"an object of strings (each <= {MAX_METADATA_VALUE} chars)", "other"
+        )
+    extra = set(header) - allowed
+    if extra:
+        raise InvalidInputError(
+            "body", f"tensors named among {', '.join(sorted(allowed))}", f"{sorted(extra)[:5]}"
+        )
+    start, data_bytes = 8 + hlen, n - 8 - hlen
+    entries = sorted((_entry(k, v, data_bytes) for k, v in header.items()), key=lambda e: e.begin)
+    for before, after in itertools.pairwise(entries):
+        if after.begin < before.end:
+            raise WireFormatError(after.name, f"data after {before.name}'s", "overlapping bytes")
+    tensors = {}
+    for e in entries:
+        raw = body[start + e.begin : start + e.end]
+        if (start + e.begin) % e.dtype.itemsize:
+            raw = raw.clone()  # misaligned for its dtype (not as safetensors writes): one copy
+        tensors[e.name] = raw.view(e.dtype).view(e.shape)
+    return tensors, {str(k): v for k, v in metadata.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOptions:
+    causal: bool = True
+    return_lse: bool = False
+    scale: float | None = None
+    kernel: str = "auto"
+    request_id: str | None = None
+
+
+def _flag(meta: Mapping[str, str], key: str, default: bool) -> bool:
+    value = meta.get(key)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise InvalidInputError(f"__metadata__.{key}", '"true" or "false"', repr(value))
+
+
+def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
+    """The request's `__metadata__` as options; unknown keys are errors (typos fail loudly)."""
+    extra = set(meta) - REQUEST_METADATA
+    if extra:
+        raise InvalidInputError(
+            "__metadata__", f"keys among {', '.join(sorted(REQUEST_METADATA))}", f"{sorted(extra)}"
+        )
+    scale = None
+    if "scale" in meta:
+        try:
+            scale = float(meta["scale"])
+        except ValueError:
+            raise InvalidInputError(
+                "__metadata__.scale", "a decimal number", repr(meta["scale"])
+            ) from None
+    request_id = meta.get("request_id")
+    if request_id is not None and not (len(request_id) <= 128 and request_id.isprintable()):
+        raise InvalidInputError("__metadata__.request_id", "<= 128 printable characters", "other")
+    return PrefillOptions(
+        causal=_flag(meta, "causal", True),
+        return_lse=_flag(meta, "return_lse", False),
+        scale=scale,
+        kernel=meta.get("kernel", "auto"),
+        request_id=request_id,
+    )
+
+
+def options_metadata(
+    *,
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+    kernel: str = "auto",
+    request_id: str | None = None,
+) -> dict[str, str]:
+    meta = {"causal": str(causal).lower(), "return_lse": str(return_lse).lower(), "kernel": kernel}
+    if scale is not None:
+        meta["scale"] = repr(float(scale))
+    if request_id is not None:
+        meta["request_id"] = request_id
+    return meta
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy().data)
+
+
+def encode(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[memoryview]]:
+    """The safetensors header (length prefix included) and each tensor's bytes, in order.
+
+    Contiguous CPU tensors are not copied: their memoryviews point at the tensors' storage.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    chunks, offset = [], 0
+    # larger elements first keeps every tensor aligned to its element size (as safetensors does)
+    for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
+        data = _bytes_of(t)
+        header[name] = {
+            "dtype": NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        chunks.append(data)
+        offset += data.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, chunks
