@@ -10,10 +10,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
+    BodyTooLargeError,
+    DeadlineExceededError,
     InvalidInputError,
     KernelError,
     KernelUnavailableError,
+    LengthRequiredError,
+    OverloadedError,
     PoolClosedError,
+    QueueFullError,
+    RequestRejectedError,
+    ServiceUnavailableError,
+    UnauthorizedError,
+    UnsupportedMediaTypeError,
+    WireFormatError,
     WorkTooLargeError,
     ZenMLAError,
 )
@@ -23,10 +33,20 @@ if TYPE_CHECKING:
     from ._status import zentorch_status
 
 __all__ = [
+    "BodyTooLargeError",
+    "DeadlineExceededError",
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
+    "LengthRequiredError",
+    "OverloadedError",
     "PoolClosedError",
+    "QueueFullError",
+    "RequestRejectedError",
+    "ServiceUnavailableError",
+    "UnauthorizedError",
+    "UnsupportedMediaTypeError",
+    "WireFormatError",
     "WorkTooLargeError",
     "ZenMLAError",
     "ragged_attention",

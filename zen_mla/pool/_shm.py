@@ -97,7 +97,8 @@ def view(whole: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     """The tensor `ref` names, as a view of `whole`, a uint8 tensor over its buffer."""
     dtype = getattr(torch, ref.dtype)
     assert ref.offset % dtype.itemsize == 0
-    typed = whole.view(dtype)
+    usable = whole.numel() // dtype.itemsize * dtype.itemsize  # a body may have any length
+    typed = whole[:usable].view(dtype)
     return typed.as_strided(ref.shape, ref.stride, ref.offset // dtype.itemsize)
 
 

@@ -432,6 +432,8 @@ class WorkerPool:
         inputs: SharedBuffer | None = None,
     ) -> PoolJob:
         """Validate and queue a ragged batch (arguments as `zen_mla.ragged_attention`)."""
+        if self._closing:
+            raise PoolClosedError("the worker pool is shut down")
         batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
         chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
         return self.submit_batch(batch, chosen.name, return_lse=return_lse, inputs=inputs)

@@ -1,0 +1,104 @@
+"""Real `zen-mla serve` processes on loopback (and on a Unix socket), one per configuration."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    uds: str | None = None
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.Client(base_url=self.url, transport=transport, timeout=120, **kwargs)  # type: ignore[arg-type]
+
+    def health(self) -> dict:
+        with self.client() as c:
+            return c.get("/health").json()
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+
+@contextlib.contextmanager
+def serve(tmp: Path, *, uds: bool = False, **settings: object) -> Iterator[Server]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
+    env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
+    args = [sys.executable, "-c", "from service.cli import main; main()", "serve"]
+    if uds:
+        path = str(tmp / "zen-mla.sock")
+        args += ["--uds", path]
+        url = "http://zen-mla"
+    else:
+        port = free_port()
+        args += ["--port", str(port)]
+        url, path = f"http://127.0.0.1:{port}", None
+    log = tmp / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(url, process, log, path)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, f"server exited:\n{server.logs()}"
+            assert time.monotonic() < deadline, f"server not ready:\n{server.logs()}"
+            if path is not None and not os.path.exists(path):
+                time.sleep(0.2)  # httpcore leaks the socket of a failed Unix connect
+                continue
+            try:
+                if server.health()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default configuration, two workers where there are two CPUs, small limits."""
+    with serve(
+        tmp_path_factory.mktemp("server"),
+        workers=min(2, len(os.sched_getaffinity(0))),
+        max_body_bytes=64 << 20,
+        max_work=1 << 36,
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="package")
+def uds_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(tmp_path_factory.mktemp("uds"), uds=True, workers=1) as s:
+        yield s

@@ -1,0 +1,96 @@
+"""Round trips through a real server, against the fp64 test reference."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import zen_mla
+from tests.reference import attention_fp64, attention_same_precision
+from tests.test_attention import BATCH_SPECS, make_batch
+from zen_mla.client import AsyncPrefillClient, PrefillClient
+
+MLA = (4, 192, 128)
+
+
+def check(q, k, v, q_cu, kv_cu, causal, got, return_lse):
+    kv_list = (kv_cu if kv_cu is not None else q_cu).tolist()
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = attention_fp64(q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale)
+    base = attention_same_precision(q, k, v, q_cu.tolist(), kv_list, causal=causal, scale=scale)
+    out, lse = got if return_lse else (got, None)
+    assert out.shape == ref_out.shape and out.dtype == v.dtype
+    if out.numel():
+        base_err = (base.double() - ref_out).abs().max().item()
+        assert (out.double() - ref_out).abs().max().item() <= 2 * base_err + 1e-5
+    if return_lse:
+        blind = torch.isinf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), blind)
+        if (~blind).any():
+            assert (lse.double() - ref_lse)[~blind].abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
+def test_round_trip(server, spec, return_lse):
+    causal = spec.kv_lens is None or spec is BATCH_SPECS["prefix_cached"]
+    q, k, v, q_cu, kv_cu = make_batch(spec, MLA, torch.bfloat16)
+    with PrefillClient(server.url) as client:
+        got = client.prefill(q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse)
+    check(q, k, v, q_cu, kv_cu, causal, got, return_lse)
+
+
+def test_same_numbers_as_the_library(server):
+    q, k, v, q_cu, _kv_cu = make_batch(BATCH_SPECS["ragged"], MLA, torch.bfloat16)
+    with PrefillClient(server.url) as client:
+        out, lse = client.prefill(q, k, v, q_cu, return_lse=True, scale=0.1)
+    want_out, want_lse = zen_mla.ragged_attention(q, k, v, q_cu, return_lse=True, scale=0.1)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_async_client(server):
+    async def main():
+        q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["context_chunk"], MLA, torch.float32)
+        async with AsyncPrefillClient(server.url) as client:
+            got = await asyncio.gather(
+                *(
+                    client.prefill(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)
+                    for _ in range(3)
+                )
+            )
+            assert (await client.health())["status"] == "ok"
+        for g in got:
+            check(q, k, v, q_cu, kv_cu, False, g, True)
+
+    asyncio.run(main())
+
+
+def test_unix_socket(uds_server):
+    q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["prefix_cached"], MLA, torch.bfloat16)
+    with PrefillClient(uds_server.url, uds=uds_server.uds) as client:
+        got = client.prefill(q, k, v, q_cu, kv_cu)
+        assert client.health()["status"] == "ok"
+    check(q, k, v, q_cu, kv_cu, True, got, False)
+
+
+def test_response_metadata_and_timing(server):
+    from zen_mla import wire
+
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["single"], MLA, torch.bfloat16)
+    header, chunks = wire.encode(
+        {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu},
+        {"request_id": "abc-123", "kernel": "torch"},
+    )
+    body = header + b"".join(bytes(c) for c in chunks)
+    with server.client() as c:
+        r = c.post("/prefill", content=body, headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 200
+    timing = r.headers["server-timing"]
+    assert "queue;dur=" in timing and "compute;dur=" in timing
+    tensors, meta = wire.decode(
+        torch.frombuffer(bytearray(r.content), dtype=torch.uint8), wire.RESPONSE_TENSORS
+    )
+    assert meta == {"kernel": "torch", "request_id": "abc-123"}
+    assert set(tensors) == {"out"}
