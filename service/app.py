@@ -258,6 +258,7 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
                 f"the body did not arrive within {s.deadline_s} s"
             ) from None
         bytes_in = n
+        ingest_s = time.perf_counter() - t0
         tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
         request_id = meta.get("request_id")
         options = wire.parse_options(meta)
@@ -311,10 +312,15 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
         state.metrics.count_tokens(batch.q.shape[0], batch.k.shape[0])
         response = _send(result, kernel.name, request_id)
         response.headers["Server-Timing"] = (
-            f"queue;dur={queue_s * 1e3:.3f}, compute;dur={compute_s * 1e3:.3f}"
+            f"ingest;dur={ingest_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
+            f"compute;dur={compute_s * 1e3:.3f}"
         )
         status, bytes_out = 200, int(response.headers["content-length"])
-        info |= {"queue_ms": round(queue_s * 1e3, 3), "compute_ms": round(compute_s * 1e3, 3)}
+        info |= {
+            "ingest_ms": round(ingest_s * 1e3, 3),
+            "queue_ms": round(queue_s * 1e3, 3),
+            "compute_ms": round(compute_s * 1e3, 3),
+        }
         return response
     except ClientDisconnect:
         status = 499

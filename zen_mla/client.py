@@ -24,6 +24,10 @@ from ._errors import BY_STATUS, InvalidInputError, OverloadedError, ZenMLAError
 __all__ = ["AsyncPrefillClient", "PrefillClient"]
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.0)
+# httpcore sends a body part with `while buf: n = sock.send(buf); buf = buf[n:]` after h11 joins
+# it into bytes: one huge part costs quadratic copying (measured: 0.1 GB/s at 256 MiB). Parts of
+# this size keep it to about one copy.
+SEND_PART = 256 << 10
 MAX_RETRY_WAIT = 30.0
 
 PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -52,7 +56,9 @@ def _request(
         causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
     )
     header, chunks = wire.encode({n: t.detach().cpu() for n, t in tensors.items()}, meta)
-    parts: list[bytes | memoryview] = [header, *chunks]
+    parts: list[bytes | memoryview] = [header]
+    for chunk in chunks:
+        parts.extend(chunk[i : i + SEND_PART] for i in range(0, chunk.nbytes, SEND_PART))
     return device, parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 

@@ -40,7 +40,9 @@ class SharedBuffer:
         self.fd = os.memfd_create(f"zen-mla-{self.id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, max(nbytes, 1))
-            self._map = mmap.mmap(self.fd, max(nbytes, 1))
+            # pre-fault every page now, in one go: far cheaper than a fault per 4 KiB later
+            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+            self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=flags)
         except BaseException:
             os.close(self.fd)
             raise
