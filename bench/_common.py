@@ -54,13 +54,11 @@ def make_inputs(spec: RefBatch, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def useful_flops(spec: RefBatch) -> float:
     """2 * H * (Dqk + Dv) per visible (query, key) pair: the work attention must do."""
-    pairs = 0
-    for sq, sk in zip(spec.q_lens, spec.kv_lens, strict=True):
-        if spec.causal:
-            seen = min(sq, sk)
-            pairs += seen * (sk - seen) + seen * (seen + 1) // 2
-        else:
-            pairs += sq * sk
+    from zen_mla._ragged import visible_pairs
+
+    pairs = sum(
+        visible_pairs(sq, sk, spec.causal) for sq, sk in zip(spec.q_lens, spec.kv_lens, strict=True)
+    )
     return 2.0 * H * (DQK + DV) * pairs
 
 

@@ -14,10 +14,19 @@ import torch
 
 from ._errors import InvalidInputError
 
-__all__ = ["DTYPES", "RaggedBatch", "Run", "validate"]
+__all__ = ["DTYPES", "RaggedBatch", "Run", "validate", "visible_pairs"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def visible_pairs(sq: int, sk: int, causal: bool) -> int:
+    """(query, key) pairs a request computes; causal is bottom-right aligned (query i sees keys
+    j <= i + sk - sq)."""
+    if not causal:
+        return sq * sk
+    seen = min(sq, sk)
+    return seen * (sk - seen) + seen * (seen + 1) // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +95,7 @@ class RaggedBatch:
 
     def work(self) -> int:
         """Multiply-adds of the score matmul, `H * Dqk * sum(Sq * Sk)`, about halved for causal."""
-        pairs = 0
-        for sq, sk in self.seq_lens():
-            if self.causal:
-                # query i sees keys j <= i + sk - sq: count the visible pairs exactly
-                seen = min(sq, sk)
-                pairs += seen * (sk - seen) + seen * (seen + 1) // 2
-            else:
-                pairs += sq * sk
+        pairs = sum(visible_pairs(sq, sk, self.causal) for sq, sk in self.seq_lens())
         return self.num_heads * self.qk_head_dim * pairs
 
 

@@ -6,20 +6,34 @@
 `prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device
 (CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
 zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
+
+Given several endpoints (`PrefillClient(["http://a:8000", "http://b:8000"])`), each request goes
+to the one with the least outstanding work (attention pairs in flight); an unreachable or
+overloaded endpoint is passed over for another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 import torch
 
 from . import _errors, wire
-from ._errors import BY_STATUS, InvalidInputError, OverloadedError, ZenMLAError
+from ._errors import (
+    BY_STATUS,
+    DeadlineExceededError,
+    InvalidInputError,
+    OverloadedError,
+    ServiceUnavailableError,
+    ZenMLAError,
+)
+from ._ragged import visible_pairs
 
 __all__ = ["AsyncPrefillClient", "PrefillClient"]
 
@@ -29,6 +43,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.
 # this size keep it to about one copy.
 SEND_PART = 256 << 10
 MAX_RETRY_WAIT = 30.0
+DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
 
 PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -107,16 +122,88 @@ def _retry_wait(exc: OverloadedError, attempt: int) -> float:
     return min(exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt, MAX_RETRY_WAIT)
 
 
-class PrefillClient:
-    """Blocking client; one keep-alive connection pool, reused across calls.
+def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causal: bool) -> int:
+    """The request's weight for balancing: heads x visible (query, key) pairs."""
+    qc = q_cu.tolist()
+    kc = kv_cu.tolist() if kv_cu is not None else qc
+    pairs = sum(
+        visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
+    )
+    return int(q.shape[1]) * pairs if q.ndim == 3 else pairs
 
-    `url`: the service's base URL (with `uds=`, the host part is only a name). `token`: bearer
-    token when the service has one. `retries`: how often 429/503 are retried.
+
+class _Balancer:
+    """Outstanding work per endpoint; `pick` gives the least loaded one not passed over."""
+
+    def __init__(self, n: int) -> None:
+        self.outstanding = [0] * n
+        self.down_until = [0.0] * n
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+
+    def pick(self, tried: set[int]) -> int:
+        now = time.monotonic()
+        with self._lock:
+            n = len(self.outstanding)
+            candidates = [i for i in range(n) if i not in tried] or list(range(n))
+            up = [i for i in candidates if self.down_until[i] <= now] or candidates
+            turn = next(self._turn)
+            return min(up, key=lambda i: (self.outstanding[i], (i - turn) % n))
+
+    def begin(self, i: int, work: int) -> None:
+        with self._lock:
+            self.outstanding[i] += work
+
+    def end(self, i: int, work: int) -> None:
+        with self._lock:
+            self.outstanding[i] -= work
+
+    def down(self, i: int) -> None:
+        with self._lock:
+            self.down_until[i] = time.monotonic() + DOWN_FOR
+
+
+def _urls(url: str | Sequence[str]) -> list[str]:
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise InvalidInputError("url", "one endpoint URL or more", "none")
+    return urls
+
+
+def _next_step(
+    exc: Exception, i: int, tried: set[int], n: int, attempt: int, retries: int, bal: _Balancer
+) -> float:
+    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise.
+
+    The one place transport errors become zen_mla exceptions."""
+    tried.add(i)
+    if isinstance(exc, httpx.TimeoutException):
+        raise DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}") from exc
+    if isinstance(exc, httpx.TransportError):
+        bal.down(i)
+        if attempt >= retries or len(tried) >= n:
+            raise ServiceUnavailableError(f"endpoint {i} unreachable: {exc}") from exc
+        return 0.0
+    assert isinstance(exc, OverloadedError)
+    if attempt >= retries:
+        raise exc
+    if len(tried) < n:
+        return 0.0  # another endpoint may have room now
+    tried.clear()
+    return _retry_wait(exc, attempt)
+
+
+class PrefillClient:
+    """Blocking client; keep-alive connections, reused across calls and threads.
+
+    `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
+    the host part is only a name. `token`: bearer token when the service has one. `retries`:
+    how often 429/503 and unreachable endpoints are retried.
     """
 
     def __init__(
         self,
-        url: str = "http://127.0.0.1:8000",
+        url: str | Sequence[str] = "http://127.0.0.1:8000",
         *,
         token: str | None = None,
         uds: str | None = None,
@@ -126,7 +213,9 @@ class PrefillClient:
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.HTTPTransport(uds=uds)
-        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport)
+        urls = _urls(url)
+        self._http = [httpx.Client(base_url=u, timeout=timeout, transport=transport) for u in urls]
+        self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
 
     def prefill(
@@ -147,21 +236,32 @@ class PrefillClient:
         device, parts, length = _request(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
         )
-        for attempt in range(self._retries + 1):
+        work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
+        for attempt in itertools.count():
+            i = self._balancer.pick(tried)
+            self._balancer.begin(i, work)
             try:
-                return self._post(parts, length, device, return_lse)
-            except OverloadedError as exc:
-                if attempt == self._retries:
-                    raise
-                time.sleep(_retry_wait(exc, attempt))
+                return self._post(self._http[i], parts, length, device, return_lse)
+            except (OverloadedError, httpx.TransportError) as exc:
+                wait = _next_step(
+                    exc, i, tried, len(self._http), attempt, self._retries, self._balancer
+                )
+            finally:
+                self._balancer.end(i, work)
+            time.sleep(wait)
         raise AssertionError("unreachable")
 
     def _post(
-        self, parts: list[bytes | memoryview], length: int, device: torch.device, return_lse: bool
+        self,
+        http: httpx.Client,
+        parts: list[bytes | memoryview],
+        length: int,
+        device: torch.device,
+        return_lse: bool,
     ) -> PrefillResult:
         # memoryviews go to the socket as they are (httpx's annotation says bytes)
         content: Any = iter(parts)
-        with self._http.stream(
+        with http.stream(
             "POST", "/prefill", content=content, headers=_headers(self._token, length)
         ) as response:
             if response.status_code != 200:
@@ -174,12 +274,13 @@ class PrefillClient:
         return _decode(buf, device, return_lse)
 
     def health(self) -> dict[str, Any]:
-        """The service's /health JSON (also when it answers 503)."""
-        result: dict[str, Any] = self._http.get("/health").json()
+        """The first endpoint's /health JSON (also when it answers 503)."""
+        result: dict[str, Any] = self._http[0].get("/health").json()
         return result
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._http:
+            http.close()
 
     def __enter__(self) -> PrefillClient:
         return self
@@ -193,7 +294,7 @@ class AsyncPrefillClient:
 
     def __init__(
         self,
-        url: str = "http://127.0.0.1:8000",
+        url: str | Sequence[str] = "http://127.0.0.1:8000",
         *,
         token: str | None = None,
         uds: str | None = None,
@@ -203,7 +304,11 @@ class AsyncPrefillClient:
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds)
-        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+        urls = _urls(url)
+        self._http = [
+            httpx.AsyncClient(base_url=u, timeout=timeout, transport=transport) for u in urls
+        ]
+        self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
 
     async def prefill(
@@ -223,23 +328,34 @@ class AsyncPrefillClient:
         device, parts, length = _request(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
         )
-        for attempt in range(self._retries + 1):
+        work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
+        for attempt in itertools.count():
+            i = self._balancer.pick(tried)
+            self._balancer.begin(i, work)
             try:
-                return await self._post(parts, length, device, return_lse)
-            except OverloadedError as exc:
-                if attempt == self._retries:
-                    raise
-                await asyncio.sleep(_retry_wait(exc, attempt))
+                return await self._post(self._http[i], parts, length, device, return_lse)
+            except (OverloadedError, httpx.TransportError) as exc:
+                wait = _next_step(
+                    exc, i, tried, len(self._http), attempt, self._retries, self._balancer
+                )
+            finally:
+                self._balancer.end(i, work)
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
     async def _post(
-        self, parts: list[bytes | memoryview], length: int, device: torch.device, return_lse: bool
+        self,
+        http: httpx.AsyncClient,
+        parts: list[bytes | memoryview],
+        length: int,
+        device: torch.device,
+        return_lse: bool,
     ) -> PrefillResult:
         async def body() -> AsyncIterator[bytes]:
             for part in parts:
                 yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
 
-        async with self._http.stream(
+        async with http.stream(
             "POST", "/prefill", content=body(), headers=_headers(self._token, length)
         ) as response:
             if response.status_code != 200:
@@ -252,11 +368,12 @@ class AsyncPrefillClient:
         return _decode(buf, device, return_lse)
 
     async def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = (await self._http.get("/health")).json()
+        result: dict[str, Any] = (await self._http[0].get("/health")).json()
         return result
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for http in self._http:
+            await http.aclose()
 
     async def __aenter__(self) -> AsyncPrefillClient:
         return self

@@ -12,7 +12,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-__all__ = ["Piece", "request_cost", "schedule"]
+from .._ragged import visible_pairs
+
+__all__ = ["Piece", "schedule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +33,6 @@ class Piece:
     q_cu: tuple[int, ...]
     kv_cu: tuple[int, ...]
     cost: int
-
-
-def request_cost(sq: int, sk: int, causal: bool) -> int:
-    """(query, key) pairs a request computes; causal is bottom-right aligned."""
-    if not causal:
-        return sq * sk
-    seen = min(sq, sk)
-    return seen * (sk - seen) + seen * (seen + 1) // 2
 
 
 def _piece(
@@ -65,7 +59,7 @@ def schedule(
     """Pieces per worker (some lists may be empty), covering every (request, head) once."""
     b = len(q_cu) - 1
     costs = [
-        heads * request_cost(q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r], causal)
+        heads * visible_pairs(q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r], causal)
         for r in range(b)
     ]
     total = sum(costs)
