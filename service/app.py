@@ -62,14 +62,22 @@ class ServiceState:
     metrics: Metrics = field(default_factory=Metrics)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The app for `settings` (default: from the environment). The pool starts in the
-    background: /health answers 503 "starting" until every worker is up."""
+def create_app(settings: Settings | None = None, pool: WorkerPool | None = None) -> FastAPI:
+    """The app for `settings` (default: from the environment).
+
+    Without `pool`, the app owns one: it starts in the background with the app's lifespan
+    (/health answers 503 "starting" until every worker is up) and closes with it. A started
+    `pool` passed in stays the caller's to close (tests and embedding use this).
+    """
     settings = settings or Settings()
-    state = ServiceState(settings)
+    state = ServiceState(settings, pool=pool, ready=pool is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if pool is not None:
+            yield
+            return
+
         async def start() -> None:
             try:
                 await asyncio.to_thread(zentorch_status)  # probe once, off the event loop

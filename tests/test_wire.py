@@ -125,6 +125,16 @@ MALFORMED = {
         _with_header({"__metadata__": {"request_id": "x" * 10_000}}),
         WireFormatError,
     ),
+    "duplicate_name": (
+        _with_header(
+            None,
+            b"\0" * 4,
+            raw=b'{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+            b'"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        ),
+        WireFormatError,
+    ),
+    "deeply_nested": (_with_header(None, raw=b"[" * 60_000), WireFormatError),
     "unknown_name": (
         _with_header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
         InvalidInputError,

@@ -71,6 +71,15 @@ def header_length(prefix: bytes | memoryview, body_bytes: int) -> int:
     return n
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        names = [k for k, _ in pairs]
+        twice = sorted({k for k in names if names.count(k) > 1})
+        raise WireFormatError("header", "each name once", f"{twice[:3]} more than once")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     name: str
@@ -131,8 +140,8 @@ def decode(
     prefix = bytes(body[:8].tolist()) if n >= 8 else b""
     hlen = header_length(prefix, n)
     try:
-        header = json.loads(body[8 : 8 + hlen].numpy().tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = json.loads(body[8 : 8 + hlen].numpy().tobytes(), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise WireFormatError("header", "JSON", f"invalid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise WireFormatError("header", "a JSON object", type(header).__name__)
