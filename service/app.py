@@ -11,7 +11,9 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -364,25 +366,46 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
 
 
 def _send(result: PoolResult, kernel: str, request_id: str | None) -> StreamingResponse:
-    """safetensors header, then out and lse straight from the shared memory the workers wrote;
-    the memory goes back to the pool once sent (or once the client is gone)."""
+    """safetensors header, then out and lse straight from the shared memory the workers wrote.
+
+    The memory goes back to the pool only when nothing refers to it any more: the transport
+    (uvloop) may keep a chunk it could not write at once and send it after the app is done, so
+    release waits for the arrays behind the chunks to be collected, not for the last yield.
+    """
     outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
     meta = {"kernel": kernel} | ({"request_id": request_id} if request_id else {})
     header, chunks = wire.encode(outputs, meta)
     length = len(header) + sum(c.nbytes for c in chunks)
+    _release_when_collected(result, [c.obj for c in chunks if c.nbytes])
 
     async def body() -> AsyncIterator[bytes | memoryview]:
-        try:
-            yield header
-            for chunk in chunks:
-                for i in range(0, chunk.nbytes, SEND_CHUNK):
-                    yield chunk[i : i + SEND_CHUNK]
-        finally:
-            chunks.clear()
-            result.release()
+        yield header
+        while chunks:
+            chunk = chunks.pop(0)
+            for i in range(0, chunk.nbytes, SEND_CHUNK):
+                yield chunk[i : i + SEND_CHUNK]
+            del chunk
 
     return StreamingResponse(
         body(),
         media_type="application/octet-stream",
         headers={"Content-Length": str(length)},
     )
+
+
+def _release_when_collected(result: PoolResult, exporters: list[object]) -> None:
+    if not exporters:
+        result.release()
+        return
+    left = [len(exporters)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            result.release()
+
+    for obj in exporters:
+        weakref.finalize(obj, one_gone)

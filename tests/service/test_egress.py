@@ -1,0 +1,34 @@
+"""A response's shared memory goes back to the pool only when the transport is done with it.
+
+uvloop keeps (by reference) the chunks it could not write at once and sends them after the app
+has handed over the last one; reusing the memory at that point sent another request's numbers
+(seen under load: bench/load.py counted 2-5 wrong answers in 20 s before this was fixed)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import torch
+
+from service.app import _send
+from zen_mla.pool import PoolResult
+from zen_mla.pool._shm import BufferCache
+
+
+def test_memory_returns_only_after_the_last_chunk_is_dropped():
+    cache = BufferCache(1 << 30)
+    buf = cache.get(8 << 20)
+    out = buf.tensor(0, (4096, 8, 128), torch.bfloat16)
+    out.copy_(torch.randn(4096, 8, 128))
+    response = _send(PoolResult(out, None, "torch", buf, cache), "torch", None)
+
+    async def drain() -> list[object]:
+        return [chunk async for chunk in response.body_iterator]
+
+    held = asyncio.run(drain())  # the app has handed over every chunk; a transport holds them
+    gc.collect()
+    assert cache.get(8 << 20) is not buf, "reused while a transport still holds its bytes"
+    del held
+    gc.collect()
+    assert cache.get(8 << 20) is buf, "returned once nothing refers to it"
