@@ -16,7 +16,6 @@ import torch
 
 with atheris.instrument_imports(include=["zen_mla"]):
     from zen_mla import InvalidInputError, wire
-    from zen_mla._ragged import validate
 
 
 def one_input(data: bytes) -> None:
@@ -28,16 +27,7 @@ def one_input(data: bytes) -> None:
     try:
         tensors, meta = wire.decode(body, wire.REQUEST_TENSORS)
         options = wire.parse_options(meta)
-        if {"q", "k", "v", "q_cu_seq_lens"} <= set(tensors):
-            validate(
-                tensors["q"],
-                tensors["k"],
-                tensors["v"],
-                tensors["q_cu_seq_lens"],
-                tensors.get("kv_cu_seq_lens"),
-                causal=options.causal,
-                scale=options.scale,
-            )
+        wire.request_batch(tensors, options)
     except InvalidInputError:
         pass
 

@@ -28,7 +28,6 @@ from zen_mla import wire
 from zen_mla._errors import (
     BodyTooLargeError,
     DeadlineExceededError,
-    InvalidInputError,
     KernelError,
     LengthRequiredError,
     QueueFullError,
@@ -40,7 +39,6 @@ from zen_mla._errors import (
     ZenMLAError,
     status_of,
 )
-from zen_mla._ragged import validate
 from zen_mla._status import zentorch_status
 from zen_mla.kernels import select_kernel
 from zen_mla.pool import PoolConfig, PoolResult, SharedBuffer, WorkerPool
@@ -272,18 +270,7 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
         tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
         request_id = meta.get("request_id")
         options = wire.parse_options(meta)
-        for name in ("q", "k", "v", "q_cu_seq_lens"):
-            if name not in tensors:
-                raise InvalidInputError(name, "a tensor of that name in the body", "none")
-        batch = validate(
-            tensors["q"],
-            tensors["k"],
-            tensors["v"],
-            tensors["q_cu_seq_lens"],
-            tensors.get("kv_cu_seq_lens"),
-            causal=options.causal,
-            scale=options.scale,
-        )
+        batch = wire.request_batch(tensors, options)
         work = batch.work()
         if work > s.max_work:
             raise WorkTooLargeError(

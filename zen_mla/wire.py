@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ._errors import InvalidInputError, WireFormatError
+from ._ragged import RaggedBatch, validate
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -31,6 +32,7 @@ __all__ = [
     "encode",
     "header_length",
     "parse_options",
+    "request_batch",
 ]
 
 #: generous for five tensors and the metadata (a real request header is ~600 bytes)
@@ -215,6 +217,23 @@ def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
         scale=scale,
         kernel=meta.get("kernel", "auto"),
         request_id=request_id,
+    )
+
+
+def request_batch(tensors: Mapping[str, torch.Tensor], options: PrefillOptions) -> RaggedBatch:
+    """The decoded request as a validated batch; a missing tensor is named like any other
+    broken rule."""
+    for name in ("q", "k", "v", "q_cu_seq_lens"):
+        if name not in tensors:
+            raise InvalidInputError(name, "a tensor of that name in the body", "none")
+    return validate(
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        tensors["q_cu_seq_lens"],
+        tensors.get("kv_cu_seq_lens"),
+        causal=options.causal,
+        scale=options.scale,
     )
 
 
