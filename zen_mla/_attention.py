@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
@@ -25,6 +26,26 @@ def _bottom_right_mask(rows: range, sq: int, sk: int, dtype: torch.dtype) -> tor
     """Additive mask `[len(rows), sk]`: query i sees keys j <= i + sk - sq (flash-attn >= 2.1)."""
     hidden = torch.arange(sk)[None, :] > (torch.arange(rows.start, rows.stop) + (sk - sq))[:, None]
     return torch.zeros(len(rows), sk, dtype=dtype).masked_fill_(hidden, float("-inf"))
+
+
+@dataclass(frozen=True, slots=True)
+class _RunOutput:
+    """Where a run's results go: out `[n, H, Sq, Dv]` and lse `[n, H, Sq]`, views of the
+    batch's outputs."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+
+    def put(self, rows: slice, o: torch.Tensor, lse: torch.Tensor | None) -> None:
+        self.out[:, :, rows].copy_(o[..., : self.out.shape[-1]])  # drops V's padding
+        if self.lse is not None and lse is not None:
+            self.lse[:, :, rows].copy_(lse)
+
+    def blind(self, rows: slice) -> None:
+        """Queries that see no key: out 0, lse -inf."""
+        self.out[:, :, rows].zero_()
+        if self.lse is not None:
+            self.lse[:, :, rows].fill_(float("-inf"))
 
 
 def attend(
@@ -62,18 +83,9 @@ def attend(
             else None
         )
 
-        def put(rows: slice, o: torch.Tensor, lo: torch.Tensor | None) -> None:
-            out_r[:, :, rows].copy_(o[..., :dv])  # noqa: B023 - called within this iteration
-            if lse_r is not None and lo is not None:  # noqa: B023
-                lse_r[:, :, rows].copy_(lo)  # noqa: B023
-
-        def blind(rows: slice) -> None:  # queries that see no key: out 0, lse -inf
-            out_r[:, :, rows].zero_()  # noqa: B023
-            if lse_r is not None:  # noqa: B023
-                lse_r[:, :, rows].fill_(float("-inf"))  # noqa: B023
-
+        dst = _RunOutput(out_r, lse_r)
         if run.sk == 0:
-            blind(slice(None))
+            dst.blind(slice(None))
             continue
         q_r = _heads_first(batch.q, run.q_start, run.count, run.sq)
         k_r = _heads_first(batch.k, run.kv_start, run.count, run.sk)
@@ -81,15 +93,15 @@ def attend(
         call = functools.partial(kernel.forward, scale=batch.scale, return_lse=return_lse)
 
         if not batch.causal:
-            put(slice(None), *call(q_r, k_r, v_r, causal=False, mask=None))
+            dst.put(slice(None), *call(q_r, k_r, v_r, causal=False, mask=None))
         elif run.sq >= run.sk:
             # Bottom-right: the first Sq - Sk queries see nothing, the rest form the usual
             # triangle, which is the kernels' (top-left) is_causal on a square.
             first = run.sq - run.sk
             if first:
-                blind(slice(0, first))
+                dst.blind(slice(0, first))
             o, lo = call(q_r[:, :, first:], k_r, v_r, causal=True, mask=None)
-            put(slice(first, None), o, lo)
+            dst.put(slice(first, None), o, lo)
         else:
             # Prefix-cached (Sq < Sk): every query sees the Sk - Sq cached keys plus its own
             # triangle. No kernel aligns causal bottom-right, so pass an additive mask, a block
@@ -103,7 +115,7 @@ def attend(
                 o, lo = call(
                     q_r[:, :, a:b], k_r[:, :, :seen], v_r[:, :, :seen], causal=False, mask=mask
                 )
-                put(slice(a, b), o, lo)
+                dst.put(slice(a, b), o, lo)
     return out, lse
 
 
