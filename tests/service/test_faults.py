@@ -38,7 +38,7 @@ def rss_bytes(pids: list[int]) -> int:
 
 def test_a_worker_killed_mid_request_is_retried(tmp_path):
     with serve(tmp_path, workers=1) as server:
-        x = slow_tensors(3000)
+        x = slow_tensors(6000)
         results = {}
 
         def run():

@@ -35,7 +35,8 @@ def good_tensors():
 
 
 def slow_tensors(tokens: int = 3000, heads: int = 8):
-    """Seconds of work for the fp32 reference kernel on this machine (sent non-causal)."""
+    """Work for the fp32 reference kernel, sent non-causal: 3000 tokens ~0.4 s, 6000 ~1.6 s,
+    8000 ~3 s on this 2-core machine (the 1 s deadline and the kill tests need the margin)."""
     x = torch.randn(tokens, heads, 192).bfloat16()
     return {
         "q": x,
@@ -209,7 +210,7 @@ def test_504_deadline_abandons_the_work_and_frees_the_worker(tmp_path):
         with server.client() as c:
             r = c.post(
                 "/prefill",
-                content=body_of(slow_tensors(6000), {"kernel": "reference", "causal": "false"}),
+                content=body_of(slow_tensors(8000), {"kernel": "reference", "causal": "false"}),
                 headers=OCTET,
             )
         assert_problem(r, 504)
@@ -223,7 +224,7 @@ def test_504_deadline_abandons_the_work_and_frees_the_worker(tmp_path):
             time.sleep(0.1)
         assert w["restarts"] == 1
         with pytest.raises(zen_mla.DeadlineExceededError):
-            prefill_once(server.url, slow_tensors(6000), kernel="reference", causal=False)
+            prefill_once(server.url, slow_tensors(8000), kernel="reference", causal=False)
         time.sleep(0.5)
         wait_ready(server)
         assert prefill_once(server.url, good_tensors()).shape[0] == 233
@@ -236,7 +237,7 @@ def test_500_when_workers_keep_dying(tmp_path):
 
         def run():
             with server.client() as c:
-                body = body_of(slow_tensors(6000), {"kernel": "reference", "causal": "false"})
+                body = body_of(slow_tensors(8000), {"kernel": "reference", "causal": "false"})
                 results["r"] = c.post("/prefill", content=body, headers=OCTET)
 
         t = threading.Thread(target=run)
@@ -264,7 +265,7 @@ def test_503_while_draining_and_in_flight_work_finishes(tmp_path):
 
         def run():
             with server.client() as c:
-                body = body_of(slow_tensors(3000), {"kernel": "reference", "causal": "false"})
+                body = body_of(slow_tensors(6000), {"kernel": "reference", "causal": "false"})
                 results["slow"] = c.post("/prefill", content=body, headers=OCTET)
 
         with server.client() as c:  # a keep-alive connection opened before the drain
