@@ -94,3 +94,14 @@ def test_response_metadata_and_timing(server):
     )
     assert meta == {"kernel": "torch", "request_id": "abc-123"}
     assert set(tensors) == {"out"}
+
+
+@pytest.mark.zentorch
+@pytest.mark.parametrize("spec", ["ragged", "prefix_cached", "equal_runs"])
+def test_round_trip_on_zentorch(server, spec):
+    """The workers load zentorch and run it when a request names it."""
+    q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS[spec], MLA, torch.bfloat16)
+    with PrefillClient(server.url) as client:
+        got = client.prefill(q, k, v, q_cu, kv_cu, kernel="zentorch")
+    check(q, k, v, q_cu, kv_cu, True, got, False)
+    assert torch.equal(got, zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, kernel="zentorch"))
