@@ -41,14 +41,17 @@ def plan_on_paper(workers: int = 12) -> str:
         )
         loads = [sum(p.cost for p in mine) for mine in plan]
         ideal = sum(loads) / workers
+        q_cu = c.cu(spec.q_lens).tolist()
         for w, mine in enumerate(plan):
-            desc = ", ".join(
-                f"req {p.r0} ({spec.q_lens[p.r0]} tok) heads {p.h0}-{p.h1 - 1}"
-                if p.r1 == p.r0 + 1
-                else f"reqs {p.r0}-{p.r1 - 1} whole"
-                for p in mine
-            )
-            rows.append([name, str(w), desc, f"{loads[w] / ideal:.2f}"])
+            desc = []
+            for p in mine:
+                if p.r1 > p.r0 + 1:
+                    desc.append(f"reqs {p.r0}-{p.r1 - 1} whole")
+                    continue
+                a, b = p.q_lo - q_cu[p.r0], p.q_hi - q_cu[p.r0]
+                part = "" if (a, b) == (0, spec.q_lens[p.r0]) else f" rows {a}-{b - 1}"
+                desc.append(f"req {p.r0} heads {p.h0}-{p.h1 - 1}{part}")
+            rows.append([name, str(w), ", ".join(desc), f"{loads[w] / ideal:.2f}"])
     return c.table(["batch", "CCX", "pieces", "load / ideal"], rows)
 
 

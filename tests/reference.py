@@ -72,3 +72,23 @@ def attention_same_precision(
         probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
         out[qa:qb] = (probs @ vr).permute(1, 0, 2)
     return out
+
+
+def assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, out, lse=None, scale=None) -> None:
+    """flash-attn's rule for out (no worse than twice same-precision PyTorch's error against
+    fp64) and 1e-3 for the LSE, -inf exactly where a query sees no key."""
+    q_list = q_cu.tolist()
+    kv_list = (kv_cu if kv_cu is not None else q_cu).tolist()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref_out, ref_lse = attention_fp64(q, k, v, q_list, kv_list, causal=causal, scale=scale)
+    base = attention_same_precision(q, k, v, q_list, kv_list, causal=causal, scale=scale)
+    assert out.shape == ref_out.shape and out.dtype == v.dtype
+    if out.numel():
+        base_err = (base.double() - ref_out).abs().max().item()
+        err = (out.double() - ref_out).abs().max().item()
+        assert err <= 2 * base_err + 1e-5, f"max error {err:.3g} vs same-precision {base_err:.3g}"
+    if lse is not None:
+        blind = torch.isinf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), blind)
+        if (~blind).any():
+            assert (lse.double() - ref_lse)[~blind].abs().max().item() <= 1e-3

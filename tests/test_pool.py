@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.reference import assert_close_to_reference
 from tests.test_attention import BATCH_SPECS, BatchSpec, make_batch
 from zen_mla.pool import PoolConfig, WorkerPool
 
@@ -206,3 +207,31 @@ def test_inputs_in_an_odd_sized_buffer(pool):
     assert torch.equal(result.out, zen_mla.ragged_attention(q, k, v, q_cu, kernel="torch"))
     result.release()
     pool.release(buf)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "reference"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
+def test_requests_split_by_queries_too(pool, spec, causal, kernel):
+    """With 2 heads and 2 workers, a request over half a share needs 4 pieces: 2 head groups x
+    2 query blocks, each a bottom-right causal request of its own."""
+    q, k, v, q_cu, kv_cu = make_batch(spec, (2, 64, 48), torch.bfloat16)
+    result = pool.run(q, k, v, q_cu, kv_cu, causal=causal, return_lse=True, kernel=kernel)
+    try:
+        assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, result.out, result.lse)
+    finally:
+        result.release()
+
+
+def test_query_blocks_cover_every_row_once():
+    from zen_mla.pool._schedule import schedule
+
+    q_cu, kv_cu = (0, 37, 37, 1037, 1100), (0, 50, 60, 1060, 1100)
+    for causal in (True, False):
+        for workers in (2, 3, 12):
+            plan = schedule(q_cu, kv_cu, 2, causal, workers)
+            covered = torch.zeros(1100, 2, dtype=torch.int32)
+            for piece in (p for mine in plan for p in mine):
+                covered[piece.q_lo : piece.q_hi, piece.h0 : piece.h1] += 1
+            # rows of requests that see keys are covered once; request 1 has no queries
+            assert covered.max() == 1 and covered.sum() == 1100 * 2
