@@ -119,7 +119,9 @@ def _block_piece(
 def schedule(
     q_cu: tuple[int, ...], kv_cu: tuple[int, ...], heads: int, causal: bool, workers: int
 ) -> list[list[Piece]]:
-    """Pieces per worker (some lists may be empty), covering every (request, head) once."""
+    """Pieces per worker (some lists may be empty), covering every (request, head) that has
+    queries once; requests whose queries see no key cost nothing and ride in a pack, where the
+    worker writes their out = 0, lse = -inf like any other blind rows."""
     b = len(q_cu) - 1
     costs = [
         heads * visible_pairs(q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r], causal)
@@ -127,15 +129,13 @@ def schedule(
     ]
     total = sum(costs)
     plan: list[list[Piece]] = [[] for _ in range(workers)]
-    if total == 0:
-        return plan  # nothing to compute: empty requests are left to the caller's zero fill
     share = max(total / workers, 1)  # a worker's fair share
     grain = share / 2  # requests above it are split by heads
     pieces: list[Piece] = []
     r = 0
     while r < b:
-        if costs[r] == 0:
-            r += 1
+        if q_cu[r + 1] == q_cu[r]:
+            r += 1  # no queries: nothing to write
             continue
         if costs[r] > grain:
             sq, sk = q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r]

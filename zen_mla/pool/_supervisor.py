@@ -455,7 +455,6 @@ class WorkerPool:
         out_buf = self._cache.get(out_bytes + (h * tq * 4 if return_lse else 0))
         out = out_buf.tensor(0, (tq, h, dv), batch.v.dtype)
         lse = out_buf.tensor(out_bytes, (h, tq), torch.float32) if return_lse else None
-        _fill_blind(batch, out, lse)
 
         tensors = (batch.q, batch.k, batch.v)
         staging: SharedBuffer | None = None
@@ -475,7 +474,7 @@ class WorkerPool:
             tensors = (staged[0], staged[1], staged[2])
 
         job = PoolJob(kernel=kernel)
-        buffers = [src, out_buf] if src is not out_buf else [src]
+        buffers = [src, out_buf]
         common = {
             "kernel": kernel,
             "causal": batch.causal,
@@ -541,13 +540,3 @@ class WorkerPool:
         except (TimeoutError, CancelledError):
             job.cancel()
             raise
-
-
-def _fill_blind(batch: RaggedBatch, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-    """Requests with queries but no keys are in no piece: give them out = 0, lse = -inf."""
-    qc = batch.q_cu_seq_lens
-    for r, (sq, sk) in enumerate(batch.seq_lens()):
-        if sq and not sk:
-            out[qc[r] : qc[r + 1]].zero_()
-            if lse is not None:
-                lse[:, qc[r] : qc[r + 1]].fill_(float("-inf"))
