@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
 
 
@@ -68,13 +69,29 @@ def test_matches_fp64_reference(spec, heads, dtype, causal, return_lse, kernel):
         with pytest.raises(zen_mla.KernelUnavailableError, match="lower precision"):
             zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, causal=causal, kernel=kernel)
         return
-    got = zen_mla.ragged_attention(
-        q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, kernel=kernel
+    got, ran = kernels_ran(
+        lambda: zen_mla.ragged_attention(
+            q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, kernel=kernel
+        )
     )
     out, lse = got if return_lse else (got, None)
     assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, out, lse)
     if return_lse:
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    _assert_ran(kernel, dtype, return_lse, ran, spec)
+
+
+def _assert_ran(kernel: str, dtype: torch.dtype, return_lse: bool, ran: set[str], spec) -> None:
+    """What ran is what `kernel_choice` says, and nothing else; a batch where no query meets
+    a key calls no kernel at all."""
+    choice = zen_mla.kernel_choice(kernel, dtype, return_lse=return_lse)
+    assert choice.lse == (choice.out if return_lse else None)
+    kv_lens = spec.kv_lens if spec.kv_lens is not None else spec.q_lens
+    meets = any(sq and sk for sq, sk in zip(spec.q_lens, kv_lens, strict=True))
+    if choice.out == "reference" or not meets:
+        assert ran == set()
+    else:
+        assert ran == {choice.out}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -82,7 +99,10 @@ def test_queries_that_see_no_key_are_zero_and_minus_inf(kernel):
     q, k, v, q_cu, kv_cu = make_batch(
         BATCH_SPECS["more_queries_than_keys"], (2, 64, 32), torch.bfloat16
     )
-    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel=kernel)
+    (out, lse), ran = kernels_ran(
+        lambda: zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel=kernel)
+    )
+    _assert_ran(kernel, torch.bfloat16, True, ran, BATCH_SPECS["more_queries_than_keys"])
     # request 0: 10 queries, 4 keys -> the first 6 see nothing; request 1: no keys at all
     blind_rows = [*range(0, 6), *range(10, 15)]
     assert torch.equal(out[blind_rows], torch.zeros_like(out[blind_rows]))
@@ -147,3 +167,55 @@ def test_long_prefix_cached_request_is_masked_in_blocks(monkeypatch):
     out = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, kernel="torch")
     ref, _ = attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=True, scale=64**-0.5)
     assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """vLLM's merge_attn_states: outputs `[T, H, D]`, LSEs `[H, T]`, +inf read as -inf."""
+    lse_a = torch.where(torch.isposinf(lse_a), float("-inf"), lse_a).double()
+    lse_b = torch.where(torch.isposinf(lse_b), float("-inf"), lse_b).double()
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = w_a + w_b
+    safe = torch.where(total == 0, 1.0, total)
+    out = out_a.double() * (w_a / safe).T[..., None] + out_b.double() * (w_b / safe).T[..., None]
+    return out, top + torch.log(total)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_context_chunks_merged_by_lse_equal_attention_over_everything(kernel):
+    """New tokens (causal) merged with context chunks (non-causal) by LSE, as vLLM's chunked
+    prefill does, equal bottom-right causal attention over context + new tokens."""
+    new_lens, ctx_chunks = [12, 0, 7, 30], [[20, 0, 5, 64], [9, 3, 0, 64]]
+    h, dqk, dv = 3, 192, 128
+    gen = torch.Generator().manual_seed(7)
+    ctx_lens = [sum(c[r] for c in ctx_chunks) for r in range(len(new_lens))]
+    full_lens = [c + n for c, n in zip(ctx_lens, new_lens, strict=True)]
+    q = torch.randn(sum(new_lens), h, dqk, generator=gen).bfloat16()
+    k_full = torch.randn(sum(full_lens), h, dqk, generator=gen).bfloat16()
+    v_full = torch.randn(sum(full_lens), h, dv, generator=gen).bfloat16()
+    q_cu, full_cu = _cu(new_lens), _cu(full_lens)
+
+    def rows(cu, r, a, b):  # rows [a, b) of request r's keys
+        return k_full[cu[r] + a : cu[r] + b], v_full[cu[r] + a : cu[r] + b]
+
+    def part(starts, lens, causal):
+        pieces = [
+            rows(full_cu, r, s, s + n) for r, (s, n) in enumerate(zip(starts, lens, strict=True))
+        ]
+        ks, vs = zip(*pieces, strict=True)
+        return zen_mla.ragged_attention(
+            q, torch.cat(ks), torch.cat(vs), q_cu, _cu(lens),
+            causal=causal, return_lse=True, kernel=kernel,
+        )  # fmt: skip
+
+    out, lse = part(ctx_lens, new_lens, causal=True)  # the new tokens over themselves
+    start = [0] * len(new_lens)
+    for chunk in ctx_chunks:
+        out, lse = _merge(out, lse, *part(start, chunk, causal=False))
+        start = [s + n for s, n in zip(start, chunk, strict=True)]
+    ref_out, ref_lse = attention_fp64(
+        q, k_full, v_full, q_cu.tolist(), full_cu.tolist(), causal=True, scale=dqk**-0.5
+    )
+    assert (lse - ref_lse).abs().max().item() <= 1e-3
+    assert (out - ref_out).abs().max().item() <= 2e-2

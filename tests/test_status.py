@@ -19,6 +19,10 @@ def test_status_has_the_contract_fields():
         assert status["ops"]["zentorch_sdpa"] and status["cpu"]["zen"]
     if status["ops"]["zentorch_sdpa"]:
         assert status["installed"] and status["version"]
+    assert status["lse_kernel"] in ("zentorch", "torch") and status["lse_reason"]
+    if status["lse_kernel"] == "zentorch":
+        assert status["auto_kernel"] == "zentorch" and status["ops"]["zentorch_sdpa_lse"]
+    assert status["ops"]["zentorch_sdpa_lse"] <= status["ops"]["zentorch_sdpa"]
 
 
 def test_cpu_facts_match_proc_cpuinfo():

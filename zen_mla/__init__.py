@@ -31,11 +31,13 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._attention import ragged_attention
     from ._status import zentorch_status
+    from .kernels import KernelChoice, kernel_choice
 
 __all__ = [
     "BodyTooLargeError",
     "DeadlineExceededError",
     "InvalidInputError",
+    "KernelChoice",
     "KernelError",
     "KernelUnavailableError",
     "LengthRequiredError",
@@ -49,13 +51,19 @@ __all__ = [
     "WireFormatError",
     "WorkTooLargeError",
     "ZenMLAError",
+    "kernel_choice",
     "ragged_attention",
     "zentorch_status",
 ]
 
 __version__ = "0.1.0"
 
-_LAZY = {"ragged_attention": "._attention", "zentorch_status": "._status"}
+_LAZY = {
+    "KernelChoice": ".kernels",
+    "kernel_choice": ".kernels",
+    "ragged_attention": "._attention",
+    "zentorch_status": "._status",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -69,7 +69,9 @@ def attend(
     if kernel.needs_equal_head_dims and dv < dqk:
         # The fused kernels want Dv == Dqk: pad V once for the whole batch (one copy, Tk rows)
         # rather than once per request; the padded columns of `out` are never copied out.
-        v = torch.nn.functional.pad(v, (0, dqk - dv))
+        # Made outside inference mode, the copy can carry zentorch's LSE route (see there).
+        with torch.inference_mode(False):
+            v = torch.nn.functional.pad(v, (0, dqk - dv))
 
     for run in batch.runs():
         if run.sq == 0:

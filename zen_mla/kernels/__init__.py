@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._errors import InvalidInputError, KernelUnavailableError
@@ -15,9 +17,11 @@ __all__ = [
     "KERNELS",
     "KERNEL_NAMES",
     "AttentionKernel",
+    "KernelChoice",
     "ReferenceKernel",
     "TorchFlashKernel",
     "ZentorchKernel",
+    "kernel_choice",
     "select_kernel",
 ]
 
@@ -51,6 +55,23 @@ def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[
             repr(kernel),
             'Use kernel="auto" to take the best available one',
         )
-    if return_lse and not chosen.returns_lse:
+    if return_lse and chosen.lse_unavailable_reason():
         return TorchFlashKernel
     return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """What computes a request's `out` and, when asked, its `lse` (None when not asked)."""
+
+    out: str
+    lse: str | None
+
+
+def kernel_choice(
+    kernel: str = "auto", dtype: torch.dtype = torch.bfloat16, *, return_lse: bool = False
+) -> KernelChoice:
+    """The kernels `ragged_attention(..., kernel=kernel, return_lse=return_lse)` runs for
+    inputs of `dtype` on this host; raises as `ragged_attention` would."""
+    chosen = select_kernel(kernel, dtype, return_lse=return_lse)
+    return KernelChoice(chosen.name, chosen.name if return_lse else None)

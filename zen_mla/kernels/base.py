@@ -12,13 +12,12 @@ __all__ = ["AttentionKernel"]
 class AttentionKernel:
     """One dense attention kernel over a batch of equal-length requests.
 
-    Capabilities are class-level and `is_available()` is decided once per process, so the
-    driver picks a kernel at selection time and never re-checks per call.
+    Capabilities are class-level, and `unavailable_reason()` / `lse_unavailable_reason()` are
+    decided once per process, so the driver picks a kernel at selection time and never
+    re-checks per call.
     """
 
     name: ClassVar[str]
-    #: gives an fp32-accurate log-sum-exp (within 1e-3 of fp64) along with `out`
-    returns_lse: ClassVar[bool]
     #: wants `Dv == Dqk`: the driver pads V once per batch and slices the padding off `out`
     needs_equal_head_dims: ClassVar[bool]
     #: input dtypes computed at their own precision
@@ -27,6 +26,12 @@ class AttentionKernel:
     @classmethod
     def unavailable_reason(cls) -> str:
         """'' where the kernel can run on this host, else why not (checked once, cached)."""
+        return ""
+
+    @classmethod
+    def lse_unavailable_reason(cls) -> str:
+        """'' where the kernel gives an fp32-accurate log-sum-exp (within 1e-3 of fp64) along
+        with `out` on this host, else why not (checked once, cached)."""
         return ""
 
     @classmethod
@@ -47,6 +52,7 @@ class AttentionKernel:
         stride). `causal` is the top-left triangle and is only passed with `Sq == Sk`; other
         masks come as `mask`, an additive `[Sq, Sk]` tensor of q's dtype (0 or -inf) that leaves
         every query at least one key. Returns out `[n, H, Sq, Dv]` in q's dtype (any strides)
-        and, when `return_lse` (only asked of kernels with `returns_lse`), lse `[n, H, Sq]` fp32.
+        and, when `return_lse` (asked only where `lse_unavailable_reason()` is ''), lse
+        `[n, H, Sq]` fp32.
         """
         raise NotImplementedError

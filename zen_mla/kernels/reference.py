@@ -18,7 +18,6 @@ class ReferenceKernel(AttentionKernel):
     """vLLM's fp32 per-request path, blocked over queries so memory stays bounded."""
 
     name: ClassVar[str] = "reference"
-    returns_lse: ClassVar[bool] = True
     needs_equal_head_dims: ClassVar[bool] = False
 
     @classmethod

@@ -21,7 +21,6 @@ class TorchFlashKernel(AttentionKernel):
     """
 
     name: ClassVar[str] = "torch"
-    returns_lse: ClassVar[bool] = True
     needs_equal_head_dims: ClassVar[bool] = True
 
     @classmethod

@@ -15,13 +15,16 @@ __all__ = ["ZentorchKernel"]
 class ZentorchKernel(AttentionKernel):
     """`torch.ops.zentorch.zentorch_sdpa`.
 
-    Its second return is meant to be a log-sum-exp but holds uninitialised memory, so this
-    kernel gives `out` only. Its `is_causal` is top-left aligned and it refuses bool masks: the
-    driver passes bottom-right causal masks as additive masks of the query dtype.
+    zentorch 2.13 has two implementations behind the op, picked per call: ZenDNN's direct SDPA
+    (inference only; its second return is uninitialised memory) and, when autograd records the
+    call, the plugin's own flash kernel, whose second return is the real natural-log LSE
+    (`[n, H, Sq]` fp32). `out` without an LSE takes the first, `out` with an LSE the second;
+    neither is a documented promise, so the LSE is used only where `zentorch_status()`'s
+    start-up probe found it correct. Its `is_causal` is top-left aligned and it refuses bool
+    masks: the driver passes bottom-right causal masks as additive masks of the query dtype.
     """
 
     name: ClassVar[str] = "zentorch"
-    returns_lse: ClassVar[bool] = False
     needs_equal_head_dims: ClassVar[bool] = True
     # fp16 runs, but at bf16 precision (max error ~9x same-precision PyTorch's, measured)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
@@ -30,6 +33,11 @@ class ZentorchKernel(AttentionKernel):
     def unavailable_reason(cls) -> str:
         status = zentorch_status()
         return "" if status["ops"]["zentorch_sdpa"] else str(status["reason"])
+
+    @classmethod
+    def lse_unavailable_reason(cls) -> str:
+        status = zentorch_status()
+        return "" if status["ops"]["zentorch_sdpa_lse"] else str(status["lse_reason"])
 
     @classmethod
     def forward(
@@ -43,9 +51,51 @@ class ZentorchKernel(AttentionKernel):
         mask: torch.Tensor | None,
         return_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        op = zentorch_op()
-        assert op is not None, "selected only where unavailable_reason() is ''"
         # Strided [n, H, S, D] views of the ragged [T, H, D] tensors are read in place: the
         # kernel takes any strides, so no per-request .contiguous() as in vLLM's loop.
-        out, _garbage = op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        return out, None
+        if not return_lse:
+            out, _garbage = zentorch_sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
+            return out, None
+        return zentorch_sdpa_with_lse(q, k, v, causal=causal, mask=mask, scale=scale)
+
+
+def zentorch_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = zentorch_op()
+    assert op is not None, "called only where zentorch_status() found the op"
+    out, second = op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, second
+
+
+def zentorch_sdpa_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's flash route, which writes its LSE: taken when grad mode is on and an input
+    requires grad. Nothing is differentiated; the graph dies with the outputs' detach."""
+    with torch.inference_mode(False), torch.enable_grad():
+        # Inference tensors (a caller under torch.inference_mode) cannot require grad; V is
+        # usually the driver's padded copy, made outside inference mode. Where all three are
+        # the caller's inference tensors, one copy of V is the price of the route.
+        if not v.is_inference():
+            v = v.detach().requires_grad_()
+        elif not k.is_inference():
+            k = k.detach().requires_grad_()
+        elif not q.is_inference():
+            q = q.detach().requires_grad_()
+        else:
+            v = v.clone().requires_grad_()
+        out, lse = zentorch_sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
+    return out.detach(), lse.detach()

@@ -1,0 +1,132 @@
+"""The LSE path on zentorch: its start-up probe, the fallback to torch where the probe fails,
+callers under inference mode, and the merge property the LSE exists for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zen_mla
+from tests.kernels_ran import kernels_ran
+from tests.reference import assert_close_to_reference, attention_fp64
+from zen_mla import _status
+from zen_mla.kernels import zentorch as zentorch_kernel
+
+pytestmark = pytest.mark.zentorch
+
+MLA = (4, 192, 128)
+
+
+def _batch(q_lens, kv_lens, heads=MLA, dtype=torch.bfloat16, seed=0):
+    h, dqk, dv = heads
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), h, dqk, generator=gen).to(dtype)
+    k = torch.randn(sum(kv_lens), h, dqk, generator=gen).to(dtype)
+    v = torch.randn(sum(kv_lens), h, dv, generator=gen).to(dtype)
+    q_cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    kv_cu = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
+    return q, k, v, q_cu, kv_cu
+
+
+def test_the_probe_passes_here_and_auto_lse_runs_zentorch_on_zen():
+    status = zen_mla.zentorch_status()
+    if _status._zentorch_lse_probe():
+        pytest.skip(f"zentorch's LSE route failed its probe here: {status['lse_reason']}")
+    assert status["ops"]["zentorch_sdpa_lse"]
+    assert zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch"
+    if not status["cpu"]["zen"]:
+        pytest.skip(f"auto is {status['auto_kernel']} on a {status['cpu']['vendor']} CPU")
+    assert status["lse_kernel"] == "zentorch"
+    assert zen_mla.kernel_choice("auto", return_lse=True) == zen_mla.KernelChoice(
+        "zentorch", "zentorch"
+    )
+    q, k, v, q_cu, kv_cu = _batch([64, 7, 30], [64, 40, 10])
+    (out, lse), ran = kernels_ran(
+        lambda: zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True)
+    )
+    assert ran == {"zentorch"}
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse)
+
+
+def test_the_probe_rejects_the_ops_default_second_return(monkeypatch):
+    """Without the route, the op's second return is uninitialised memory: caught."""
+
+    def default_call(q, k, v, **kwargs):
+        return zentorch_kernel.zentorch_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", default_call)
+    assert "disagrees with fp64" in _status._lse_probe()
+
+
+def test_the_probe_rejects_a_route_that_raises(monkeypatch):
+    def raising(*args, **kwargs):
+        raise RuntimeError("sdpa_flash_cpu: unsupported")
+
+    monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", raising)
+    assert "raised" in _status._lse_probe()
+
+
+def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
+    real = zentorch_kernel.zentorch_sdpa_with_lse
+
+    def off(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out, lse + 2e-3
+
+    monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", off)
+    assert "disagrees with fp64" in _status._lse_probe()
+
+
+def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch):
+    monkeypatch.setattr(_status, "_zentorch_lse_probe", lambda: "the LSE was off by 3")
+    status = zen_mla.zentorch_status()
+    assert not status["ops"]["zentorch_sdpa_lse"]
+    assert status["lse_kernel"] == "torch"
+    if status["auto_kernel"] == "zentorch":
+        assert status["lse_reason"] == "the LSE was off by 3"
+    assert zen_mla.kernel_choice("zentorch", return_lse=True) == zen_mla.KernelChoice(
+        "torch", "torch"
+    )
+    assert zen_mla.kernel_choice("zentorch").out == "zentorch"
+    q, k, v, q_cu, kv_cu = _batch([33, 5], [33, 20])
+    (out, lse), ran = kernels_ran(
+        lambda: zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel="zentorch")
+    )
+    assert ran == {"torch"}
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse)
+    _, ran = kernels_ran(lambda: zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, kernel="zentorch"))
+    assert ran == {"zentorch"}
+
+
+@pytest.mark.parametrize("heads", [MLA, (2, 64, 64)], ids=["mla_192_128", "equal_64"])
+def test_callers_under_inference_mode(heads):
+    """vLLM runs models under torch.inference_mode(); the route needs a tensor that can
+    require grad, which inference tensors cannot."""
+    q, k, v, q_cu, kv_cu = _batch([40, 9, 0, 3], [40, 30, 5, 0], heads)
+    with torch.inference_mode():
+        q, k, v = q.clone(), k.clone(), v.clone()
+        (out, lse), ran = kernels_ran(
+            lambda: zen_mla.ragged_attention(
+                q, k, v, q_cu, kv_cu, return_lse=True, kernel="zentorch"
+            )
+        )
+    assert q.is_inference() and ran == {zen_mla.kernel_choice("zentorch", return_lse=True).out}
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse)
+
+
+def test_outputs_carry_no_autograd_graph():
+    q, k, v, q_cu, kv_cu = _batch([16], [16])
+    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel="zentorch")
+    assert not out.requires_grad and out.grad_fn is None
+    assert not lse.requires_grad and lse.grad_fn is None
+    assert torch.isfinite(lse).all() and not out.isnan().any()
+
+
+def test_fp32_inputs_on_the_route_are_fp32_accurate():
+    q, k, v, q_cu, kv_cu = _batch([50, 3], [70, 3], dtype=torch.float32)
+    out, lse = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=True, kernel="zentorch")
+    ref_out, ref_lse = attention_fp64(
+        q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=True, scale=192**-0.5
+    )
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+    assert (out.double() - ref_out).abs().max().item() < 1e-4
