@@ -49,15 +49,19 @@ def methods(spec: c.RefBatch, has_zen: bool) -> dict[str, Callable[[], object]]:
     fns["vllm fp32 lse"] = lambda: vllm_baseline.fp32_lse_path(*args, causal=causal, scale=scale)
     for kernel in (["zentorch"] if has_zen else []) + ["torch", "auto"]:
         fns[f"ours {kernel}"] = ours(kernel)
-    fns["ours lse"] = ours("auto", lse=True)
+    fns["ours lse (auto)"] = ours("auto", lse=True)
+    if has_zen and zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch":
+        fns["ours lse (zentorch)"] = ours("zentorch", lse=True)
+    fns["ours lse (torch flash)"] = ours("torch", lse=True)
     fns["ours lse reference"] = ours("reference", lse=True)
     return fns
 
 
-def speed(reps: int) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
+def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
     has_zen = zen_mla.zentorch_status()["ops"]["zentorch_sdpa"]
     rows, results = [], {}
-    for name, spec in c.REFERENCE_BATCHES.items():
+    for name in batches:
+        spec = c.REFERENCE_BATCHES[name]
         med = c.paired_medians(methods(spec, has_zen), reps)
         results[name] = med
         flops = c.useful_flops(spec)
@@ -73,6 +77,20 @@ def speed(reps: int) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
                 ]
             )
     return rows, results
+
+
+def lse_cost_rows(results: dict[str, dict[str, float]]) -> list[list[str]]:
+    """The LSE path's time over the no-LSE path's (both "auto"), per batch."""
+    return [
+        [
+            name,
+            f"{med['ours auto'] * 1e3:.2f}",
+            f"{med['ours lse (auto)'] * 1e3:.2f}",
+            f"{med['ours lse (auto)'] / med['ours auto']:.2f}x",
+            f"{med['vllm fp32 lse'] / med['ours lse (auto)']:.2f}x",
+        ]
+        for name, med in results.items()
+    ]
 
 
 MEMORY_SNIPPET = r"""
@@ -130,46 +148,63 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-LABELS = {
-    "auto": "ours lse (torch flash)",
+MEMORY_METHODS = {
+    "zentorch": "ours lse (zentorch)",
+    "torch": "ours lse (torch flash)",
     "reference": "ours lse reference",
     "vllm": "vllm fp32 lse",
 }
+
+
+def cpu_line(status: dict[str, object]) -> str:
+    """The CPU the figures were measured on, with the flags that decide the kernels."""
+    cpu = status["cpu"]
+    assert isinstance(cpu, dict)
+    return (
+        f"{cpu['model']} ({cpu['vendor']}, family {cpu['family']}"
+        f"{', Zen' if cpu['zen'] else ''}), AVX-512 BF16: {'yes' if cpu['avx512_bf16'] else 'no'}, "
+        f"AMX: {'yes' if cpu['amx_bf16'] else 'no'}, threads: {torch.get_num_threads()}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--batches", default=",".join(c.REFERENCE_BATCHES))
     args = parser.parse_args()
     c.OUT_DIR.mkdir(exist_ok=True)
     status = zen_mla.zentorch_status()
-    cpu = status["cpu"]
+    print(f"CPU: {cpu_line(status)}")
     print(
-        f"CPU: {cpu['model']} ({cpu['vendor']}), threads: {torch.get_num_threads()}, "
         f"zentorch {status['version']}, op usable: {status['ops']['zentorch_sdpa']}, "
-        f"auto -> {status['auto_kernel']}"
+        f"LSE route usable: {status['ops']['zentorch_sdpa_lse']}; auto -> "
+        f"{status['auto_kernel']}, auto with LSE -> {status['lse_kernel']}"
     )
     roof = roofline_tflops(args.reps)
     print(f"\nRoofline: 4096^3 bf16 matmul = {roof:.3f} TFLOP/s\n")
-    rows, results = speed(args.reps)
+    rows, results = speed(args.reps, args.batches.split(","))
     for r in rows:
         r.append(f"{float(r[4]) / roof:.0%}")
     print(
         c.table(["batch", "method", "median ms", "vs vLLM", "useful TFLOP/s", "of roofline"], rows)
     )
+    print("\nThe LSE path against the no-LSE path (both auto) and against vLLM's fp32 LSE path\n")
+    print(
+        c.table(
+            ["batch", "no-LSE ms", "LSE ms", "LSE / no-LSE", "LSE vs vLLM fp32 lse"],
+            lse_cost_rows(results),
+        )
+    )
     plot(results, c.OUT_DIR / "kernel.png")
     print(f"\nplot: {c.OUT_DIR / 'kernel.png'}")
     if not args.skip_memory:
         mem_rows = []
-        for method, n in [("auto", 8192), ("reference", 8192), ("vllm", 8192)]:
-            b = peak_extra_memory(method, n)
-            label = {
-                "auto": "ours lse (torch flash)",
-                "reference": "ours lse reference",
-                "vllm": "vllm fp32 lse",
-            }[method]
-            mem_rows.append([f"1 x {n}", label, f"{b / 2**30:.2f}"])
+        for method, label in MEMORY_METHODS.items():
+            if method == "zentorch" and not status["ops"]["zentorch_sdpa_lse"]:
+                continue
+            b = peak_extra_memory(method, 8192)
+            mem_rows.append(["1 x 8192", label, f"{b / 2**30:.2f}"])
         print("\nPeak extra memory, LSE path, H=16, causal\n")
         print(c.table(["batch", "method", "peak extra GiB"], mem_rows))
 
