@@ -35,9 +35,10 @@ def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[
     """The kernel that computes `out` (and `lse`) for a request naming `kernel`.
 
     "auto" follows `zentorch_status()["auto_kernel"]`, falling back to torch for a dtype the
-    chosen kernel would compute at lower precision. With `return_lse`, a kernel that cannot
-    give an fp32-accurate LSE hands the whole request (out and lse from one softmax, so they
-    merge consistently) to torch's flash kernel.
+    chosen kernel would compute at lower precision. With `return_lse`, a kernel whose LSE is
+    not fp32-accurate here (`lse_unavailable_reason()`: zentorch where its probe failed) hands
+    the whole request (out and lse from one softmax, so they merge consistently) to torch's
+    flash kernel.
     """
     if kernel not in KERNEL_NAMES:
         raise InvalidInputError("kernel", f"one of {', '.join(KERNEL_NAMES)}", repr(kernel))

@@ -1,0 +1,94 @@
+"""PrefillEngine: validation once, the work cap, the kernel choice and the pool behind one face,
+blocking and awaitable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import zen_mla
+from tests.reference import assert_close_to_reference
+from zen_mla.engine import EngineConfig, PrefillEngine
+from zen_mla.pool import PoolConfig
+
+H, DQK, DV = 2, 64, 32
+
+
+def _batch(q_lens, kv_lens, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), H, DQK, generator=gen).to(dtype)
+    k = torch.randn(sum(kv_lens), H, DQK, generator=gen).to(dtype)
+    v = torch.randn(sum(kv_lens), H, DV, generator=gen).to(dtype)
+    q_cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    kv_cu = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
+    return q, k, v, q_cu, kv_cu
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(PoolConfig(workers=1, ping_interval=0.2), max_work=H * DQK * 50_000)
+    with PrefillEngine(config) as e:
+        yield e
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+def test_result_matches_the_reference_and_names_its_kernels(engine, return_lse):
+    q, k, v, q_cu, kv_cu = _batch([30, 0, 7], [30, 4, 19])
+    job = engine.submit(q, k, v, q_cu, kv_cu, return_lse=return_lse)
+    result = job.result(timeout=60)
+    assert job.kernels == zen_mla.kernel_choice("auto", q.dtype, return_lse=return_lse)
+    assert result.kernels == job.kernels
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, True, result.out, result.lse)
+    assert (job.num_requests, job.num_q_tokens, job.num_kv_tokens) == (3, 37, 53)
+    result.release()
+
+
+def test_wait_from_asyncio(engine):
+    q, k, v, q_cu, kv_cu = _batch([12, 5], [12, 40])
+
+    async def main():
+        jobs = [engine.submit(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)]
+        jobs.append(engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False))
+        return await asyncio.gather(*(j.wait(timeout=60) for j in jobs))
+
+    first, second = asyncio.run(main())
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, False, first.out, first.lse)
+    assert second.kernels == zen_mla.KernelChoice("reference", None)
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, False, second.out)
+
+
+def test_tensors_by_name_and_a_missing_one_is_named(engine):
+    q, k, v, q_cu, _ = _batch([9], [9])
+    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
+    result = engine.submit_tensors(tensors).result(timeout=60)
+    assert_close_to_reference(q, k, v, q_cu, None, True, result.out)
+    with pytest.raises(zen_mla.InvalidInputError, match="v") as info:
+        engine.submit_tensors({"q": q, "k": k, "q_cu_seq_lens": q_cu})
+    assert info.value.name == "v"
+
+
+def test_bad_input_and_work_over_the_cap_are_refused_before_the_pool(engine):
+    q, k, v, q_cu, kv_cu = _batch([300], [300])
+    with pytest.raises(zen_mla.WorkTooLargeError, match="cap"):
+        engine.submit(q, k, v, q_cu, kv_cu, causal=False)  # 90,000 pairs > 50,000
+    assert engine.submit(q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (300, H, DV)
+    with pytest.raises(zen_mla.InvalidInputError) as info:
+        engine.submit(q, k, v[:, :, :1].expand(-1, -1, 2 * DQK), q_cu, kv_cu)
+    assert info.value.name == "v"
+    with pytest.raises(zen_mla.InvalidInputError, match="flash3"):
+        engine.submit(q, k, v, q_cu, kv_cu, kernel="flash3")
+
+
+@pytest.mark.slow
+def test_a_deadline_abandons_the_work_and_the_worker_is_free_again(engine):
+    q, k, v, q_cu, kv_cu = _batch([140], [140], dtype=torch.float32)
+    slow = [engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False)]
+    slow += [engine.submit(q, k, v, q_cu, kv_cu, kernel="reference") for _ in range(200)]
+    with pytest.raises(zen_mla.DeadlineExceededError, match="abandoned"):
+        slow[-1].result(timeout=0.05)
+    for job in slow:
+        job.cancel()
+    assert engine.submit(q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (140, H, DV)
+    assert engine.ready()

@@ -1,0 +1,222 @@
+"""`PrefillEngine`: the one face of zen_mla that a server calls.
+
+It takes a request's tensors and options, validates them once, applies the work cap, picks the
+kernels, and runs the batch on the worker pool; the result comes back blocking or awaitable,
+and every failure is a `zen_mla` exception. The HTTP service builds nothing of this pipeline
+itself.
+
+    with PrefillEngine(EngineConfig(max_work=1 << 40)) as engine:
+        job = engine.submit(q, k, v, q_cu_seq_lens, return_lse=True)
+        result = job.result()            # or: await job.wait(timeout=60)
+        out, lse = result.out, result.lse
+        result.release()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
+from ._ragged import RaggedBatch, validate
+from ._status import zentorch_status
+from .kernels import KernelChoice, select_kernel
+from .pool import PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
+
+__all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillResult"]
+
+#: the tensors of a prefill request, by the contract's names
+REQUIRED_TENSORS = ("q", "k", "v", "q_cu_seq_lens")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """pool: the worker processes; max_work: cap on a request's `work` (H * Dqk * visible
+    query-key pairs), None for none."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    max_work: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """out `[Tq, H, Dv]` (v's dtype) and lse `[H, Tq]` fp32 or None, views of shared memory
+    the workers wrote; `kernels` says what computed them. `release()` hands the memory back
+    for reuse (the tensors must not be used after it); without it, the memory is freed once
+    the tensors are."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    kernels: KernelChoice
+    _pool_result: PoolResult
+
+    def release(self) -> None:
+        self._pool_result.release()
+
+
+class PrefillJob:
+    """A submitted request. `result()` blocks, `await wait()` does not; `cancel()` abandons the
+    work (its busy workers are stopped and replaced, so their CCXs are free again at once)."""
+
+    def __init__(self, batch: RaggedBatch, kernels: KernelChoice, pool_job: PoolJob) -> None:
+        self.kernels = kernels
+        self.num_requests = batch.num_requests
+        self.num_q_tokens, self.num_kv_tokens = int(batch.q.shape[0]), int(batch.k.shape[0])
+        self._job = pool_job
+
+    @property
+    def queued_at(self) -> float:
+        """`time.perf_counter()` when the job was submitted."""
+        return self._job.queued_at
+
+    @property
+    def started_at(self) -> float | None:
+        """`time.perf_counter()` when a worker took its first piece, None before."""
+        return self._job.started_at
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
+    def result(self, timeout: float | None = None) -> PrefillResult:
+        """Wait for the result; past `timeout` the work is abandoned and
+        DeadlineExceededError raised."""
+        try:
+            return self._wrap(self._job.result(timeout))
+        except TimeoutError:
+            self._job.cancel()
+            raise DeadlineExceededError(
+                f"the request ran past its {timeout} s deadline; its work was abandoned"
+            ) from None
+
+    async def wait(self, timeout: float | None = None) -> PrefillResult:
+        """`result()` for asyncio: the event loop is never blocked. Cancelling the awaiting
+        task abandons the work too."""
+        try:
+            async with asyncio.timeout(timeout):
+                return self._wrap(await asyncio.wrap_future(self._job._future))
+        except TimeoutError:
+            self._job.cancel()
+            raise DeadlineExceededError(
+                f"the request ran past its {timeout} s deadline; its work was abandoned"
+            ) from None
+        except asyncio.CancelledError:
+            self._job.cancel()
+            raise
+
+    def _wrap(self, result: PoolResult) -> PrefillResult:
+        return PrefillResult(result.out, result.lse, self.kernels, result)
+
+
+class PrefillEngine:
+    """Validation, the work cap, the kernel choice and the worker pool, behind one object.
+
+    Inputs already in one of the engine's shared buffers (`buffer()`, say a request body read
+    from a socket) are read in place by the workers; others are copied into shared memory once.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        zentorch_status()  # probe the kernels once, before the workers start
+        self._pool = WorkerPool(self.config.pool)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self) -> PrefillEngine:
+        """Spawn the workers and wait until each is ready."""
+        self._pool.start()
+        return self
+
+    def close(self, grace: float = 10.0) -> None:
+        """Refuse new work, let running jobs finish within `grace` seconds, stop the workers."""
+        self._pool.close(grace)
+
+    def __enter__(self) -> PrefillEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Each worker's `id`, `cpus`, `threads`, `alive`, `pid` and `restarts`."""
+        return self._pool.workers()
+
+    def ready(self) -> bool:
+        """At least one worker can take work."""
+        return any(w["alive"] for w in self._pool.workers())
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def buffer(self, nbytes: int) -> SharedBuffer:
+        """Shared memory to fill (a request body, say); tensors viewing it that are passed to
+        `submit(..., inputs=buf)` are read in place by the workers."""
+        return self._pool.buffer(nbytes)
+
+    def release(self, buf: SharedBuffer) -> None:
+        """Hand a buffer from `buffer()` back for reuse."""
+        self._pool.release(buf)
+
+    def submit_tensors(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        inputs: SharedBuffer | None = None,
+    ) -> PrefillJob:
+        """`submit` for tensors by the contract's names (q, k, v, q_cu_seq_lens and optional
+        kv_cu_seq_lens), as a decoded request body has them."""
+        for name in REQUIRED_TENSORS:
+            if name not in tensors:
+                raise InvalidInputError(name, "a tensor of that name in the request", "none")
+        return self.submit(
+            tensors["q"],
+            tensors["k"],
+            tensors["v"],
+            tensors["q_cu_seq_lens"],
+            tensors.get("kv_cu_seq_lens"),
+            causal=causal,
+            return_lse=return_lse,
+            scale=scale,
+            kernel=kernel,
+            inputs=inputs,
+        )
+
+    def submit(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        inputs: SharedBuffer | None = None,
+    ) -> PrefillJob:
+        """Validate and queue a ragged batch; arguments, shapes and errors as
+        `zen_mla.ragged_attention`, plus WorkTooLargeError over the work cap and
+        PoolClosedError once closed."""
+        batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
+        work = batch.work()
+        if self.config.max_work is not None and work > self.config.max_work:
+            raise WorkTooLargeError(
+                "work",
+                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's cap)",
+                str(work),
+                "Split the batch into smaller requests",
+            )
+        chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
+        kernels = KernelChoice(chosen.name, chosen.name if return_lse else None)
+        job = self._pool.submit_batch(batch, chosen.name, return_lse=return_lse, inputs=inputs)
+        return PrefillJob(batch, kernels, job)
