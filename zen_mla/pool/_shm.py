@@ -86,9 +86,11 @@ class TensorRef:
 
 
 def tensor_ref(buf: SharedBuffer, t: torch.Tensor) -> TensorRef:
+    # An empty tensor's data_ptr() is 0 wherever it lies: name offset 0, where any view of no
+    # elements fits.
     return TensorRef(
         buf.id,
-        t.data_ptr() - buf.base,
+        t.data_ptr() - buf.base if t.numel() else 0,
         tuple(t.shape),
         tuple(t.stride()),
         str(t.dtype).removeprefix("torch."),
