@@ -1,0 +1,102 @@
+"""The regions request body (JSON places) and the sealed memfds behind regions."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zen_mla import InvalidInputError, WireFormatError
+from zen_mla import region_request as rr
+from zen_mla._memfd import check_sealed_memfd, create_sealed_memfd
+
+NAMES = rr.REQUEST_NAMES
+Q = rr.TensorPlace("h1", 0, "BF16", (4, 2, 8))
+
+
+def test_round_trip():
+    places = {"q": Q, "out": rr.TensorPlace("h2", 128, "F32", (2, 4))}
+    got = rr.decode(rr.encode(places, {"causal": "false"}), NAMES)
+    assert got.places == places and got.metadata == {"causal": "false"}
+    assert Q.nbytes == 4 * 2 * 8 * 2
+
+
+BAD_BODIES = {
+    "not_json": (b"{", WireFormatError),
+    "not_an_object": (b"[1]", WireFormatError),
+    "duplicate_names": (b'{"q": 1, "q": 2}', WireFormatError),
+    "deep": (b"[" * 100_000, WireFormatError),
+    "too_long": (b" " * (rr.MAX_HEADER_BYTES + 1), WireFormatError),
+    "unknown_tensor": (b'{"x": {"region": "h", "offset": 0, "dtype": "BF16", "shape": []}}', None),
+    "missing_field": (b'{"q": {"region": "h", "offset": 0, "dtype": "BF16"}}', None),
+    "extra_field": (
+        b'{"q": {"region": "h", "offset": 0, "dtype": "BF16", "shape": [], "stride": []}}',
+        None,
+    ),
+    "negative_offset": (
+        b'{"q": {"region": "h", "offset": -64, "dtype": "BF16", "shape": []}}',
+        None,
+    ),
+    "bool_offset": (b'{"q": {"region": "h", "offset": true, "dtype": "BF16", "shape": []}}', None),
+    "negative_dim": (b'{"q": {"region": "h", "offset": 0, "dtype": "BF16", "shape": [-1]}}', None),
+    "float_dim": (b'{"q": {"region": "h", "offset": 0, "dtype": "BF16", "shape": [1.5]}}', None),
+    "five_dims": (
+        b'{"q": {"region": "h", "offset": 0, "dtype": "BF16", "shape": [1,1,1,1,1]}}',
+        None,
+    ),
+    "unknown_dtype": (b'{"q": {"region": "h", "offset": 0, "dtype": "Q4", "shape": []}}', None),
+    "empty_handle": (b'{"q": {"region": "", "offset": 0, "dtype": "BF16", "shape": []}}', None),
+    "long_handle": (
+        b'{"q": {"region": "' + b"h" * 65 + b'", "offset": 0, "dtype": "BF16", "shape": []}}',
+        None,
+    ),
+    "metadata_not_strings": (b'{"__metadata__": {"causal": true}}', None),
+}
+
+
+@pytest.mark.parametrize("body, error", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_bad_bodies_are_named_errors(body, error):
+    with pytest.raises(error or InvalidInputError):
+        rr.decode(body, NAMES)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+        max_leaves=20,
+    )
+)
+def test_any_json_decodes_or_is_our_value_error(raw):
+    try:
+        message = rr.decode(json.dumps(raw).encode(), NAMES)
+    except ValueError as exc:
+        assert isinstance(exc, InvalidInputError | WireFormatError)
+        return
+    assert set(message.places) <= NAMES
+
+
+def test_a_sealed_memfd_passes_and_anything_else_is_named():
+    fd = create_sealed_memfd(4096)
+    try:
+        assert check_sealed_memfd(fd) == 4096
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1024)  # the seal holds
+    finally:
+        os.close(fd)
+    unsealed = os.memfd_create("x", os.MFD_CLOEXEC)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(InvalidInputError, match="can shrink"):
+            check_sealed_memfd(unsealed)
+        with pytest.raises(InvalidInputError, match="pipe"):
+            check_sealed_memfd(r)
+    finally:
+        for fd in (unsealed, r, w):
+            os.close(fd)
