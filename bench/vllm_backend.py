@@ -1,0 +1,212 @@
+"""What the vLLM backend costs: one prefill step in process against the same step through a real
+local server, called as vLLM calls a backend (one piece after another) and with the concurrent
+helper (every piece at once).
+
+    .venv/bin/python bench/vllm_backend.py [--reps 7]
+
+Steps (H=16, Dqk=192, Dv=128, bf16):
+- `chunk`: new tokens 4 x 256 (causal, LSE) and the contract's context chunk, q 4 x 256 against
+  kv 4 x 2048 (non-causal, LSE), merged by LSE;
+- `chunk/4`: the same context cut in four chunks of 4 x 512, as vLLM cuts it when its
+  workspace is smaller than the context;
+- `mixed`: the contract's batch [2048, 1024, 512, 256, 128, 64], causal, no context.
+
+Starts its own `zen-mla serve` on a free loopback port and stops it. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import _common as c
+
+import zen_mla
+from zen_mla.merge import merge_attn_states, merge_many
+from zen_mla.vllm import ContextKV, RemoteSettings, backend_class
+
+ROOT = Path(__file__).resolve().parent.parent
+SCALE = c.DQK**-0.5
+
+
+@dataclass
+class Step:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_start_loc: torch.Tensor
+    context: list[ContextKV]
+
+
+def make_step(new_lens: list[int], chunk_lens: list[list[int]], seed: int = 0) -> Step:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n: int, d: int) -> torch.Tensor:
+        return torch.randn(n, c.H, d, generator=gen).bfloat16()
+
+    t = sum(new_lens)
+    context = [
+        ContextKV(rand(sum(lens), c.DQK), rand(sum(lens), c.DV), c.cu(lens)) for lens in chunk_lens
+    ]
+    return Step(rand(t, c.DQK), rand(t, c.DQK), rand(t, c.DV), c.cu(new_lens), context)
+
+
+STEPS = {
+    "chunk": ([256] * 4, [[2048] * 4]),
+    "chunk/4": ([256] * 4, [[512] * 4] * 4),
+    "mixed": (c.REFERENCE_BATCHES["mixed"].q_lens, []),
+}
+
+
+def in_process(step: Step) -> Callable[[], object]:
+    """The same parts and merge, computed here by `ragged_attention` (`auto`: zentorch on Zen)."""
+
+    def run() -> object:
+        q, qc = step.q, step.query_start_loc
+        if not step.context:
+            return zen_mla.ragged_attention(q, step.k, step.v, qc, scale=SCALE)
+        parts = [zen_mla.ragged_attention(q, step.k, step.v, qc, return_lse=True, scale=SCALE)]
+        for ctx in step.context:
+            parts.append(
+                zen_mla.ragged_attention(
+                    q, ctx.k, ctx.v, qc, ctx.cu_seq_lens, causal=False, return_lse=True, scale=SCALE
+                )
+            )
+        return merge_many([o for o, _ in parts], [lse for _, lse in parts])
+
+    return run
+
+
+class _Chunk:
+    def __init__(self, query_start_loc: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+        self.query_start_loc, self.cu_seq_lens = query_start_loc, cu_seq_lens
+
+
+class _Meta:
+    def __init__(self, query_start_loc: torch.Tensor) -> None:
+        self.query_start_loc = query_start_loc
+
+
+def sequential(b: Any, step: Step) -> Callable[[], object]:
+    """vLLM's flow: new tokens, then each context chunk, folded by merge_attn_states."""
+
+    def run() -> object:
+        b.prepare_metadata(_Meta(step.query_start_loc))
+        if not step.context:
+            return b.run_prefill_new_tokens(step.q, step.k, step.v, False)
+        out, lse = b.run_prefill_new_tokens(step.q, step.k, step.v, True)
+        for ctx in step.context:
+            chunk = _Chunk(step.query_start_loc, ctx.cu_seq_lens)
+            c_out, c_lse = b.run_prefill_context_chunk(chunk, step.q, ctx.k, ctx.v)
+            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+            merge_attn_states(merged, c_out, c_lse, out, lse, merged_lse)
+            out, lse = merged, merged_lse
+        return out, lse
+
+    return run
+
+
+def concurrent(backend: Any, step: Step) -> Callable[[], object]:
+    def run() -> object:
+        backend.prepare_metadata(_Meta(step.query_start_loc))
+        return backend.run_prefill_with_context(step.q, step.k, step.v, step.context, True)
+
+    return run
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
+    env |= {"ZEN_MLA_MAX_BODY_BYTES": str(1 << 30), "ZEN_MLA_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from service.cli import main; main()",
+            "serve",
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
+                return proc, url
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("zen-mla serve did not start")
+
+
+def cpu_name() -> str:
+    status = zen_mla.zentorch_status()["cpu"]
+    family = status.get("family")
+    zen = {23: "Zen 1/2", 25: "Zen 3/4", 26: "Zen 5"}.get(family, f"family {family}")
+    return f"{status['model']} ({status['vendor']}, {zen if status.get('zen') else 'not Zen'})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    proc, url = start_server()
+    try:
+        backend = backend_class()(
+            c.H, SCALE, 512, 128, 64, c.DV, None, settings=RemoteSettings(urls=(url,))
+        )
+        workers = len(httpx.get(url + "/health").json()["workers"])
+        rows = []
+        for name, (new_lens, chunk_lens) in STEPS.items():
+            step = make_step(new_lens, chunk_lens)
+            fns = {
+                "in-process ragged_attention": in_process(step),
+                "backend, sequential (vLLM's calls)": sequential(backend, step),
+            }
+            if step.context:
+                fns["backend, concurrent helper"] = concurrent(backend, step)
+            medians = c.paired_medians(fns, args.reps)
+            base = medians["in-process ragged_attention"]
+            for method, seconds in medians.items():
+                rows.append([name, method, f"{seconds * 1e3:.2f}", f"{seconds / base:.2f}x"])
+        choice = zen_mla.kernel_choice("auto", torch.bfloat16, return_lse=True)
+        print(
+            f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs shared by the client and "
+            f"the server ({workers} worker(s)); in process: out on {choice.out}, "
+            f"LSE on {choice.lse}; medians of {args.reps} interleaved runs\n"
+        )
+        print(c.table(["step", "method", "median ms", "vs in-process"], rows))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
