@@ -52,6 +52,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_CONCURRENCY = 8
 VLLM_BASE = "vllm.v1.attention.backends.mla.prefill.base"
 VLLM_REGISTRY = "vllm.v1.attention.backends.mla.prefill.registry"
 
@@ -69,7 +70,7 @@ class RemoteSettings:
     urls: tuple[str, ...] = (DEFAULT_URL,)
     token: str | None = None
     health_timeout_s: float = 3.0
-    max_concurrency: int = 8
+    max_concurrency: int = DEFAULT_CONCURRENCY
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -129,15 +130,16 @@ def service_ready(settings: RemoteSettings) -> bool:
 
 
 class _Shared:
-    """The client and thread pool every backend of one `RemoteSettings` uses: vLLM builds one
-    backend per attention layer, and 61 layers need not hold 61 connection pools.
+    """The client every backend of one `RemoteSettings` uses, and the thread pools that send a
+    step's pieces: vLLM builds one backend per attention layer, and 61 layers need not hold 61
+    connection pools.
 
     `_lock` guards `_clients` and `_pools`; a `PrefillClient` is safe to call from several
     threads (httpx's pool and the client's balancer have their own locks)."""
 
     _lock = threading.Lock()
     _clients: ClassVar[dict[RemoteSettings, PrefillClient]] = {}
-    _pools: ClassVar[dict[RemoteSettings, ThreadPoolExecutor]] = {}
+    _pools: ClassVar[dict[int, ThreadPoolExecutor]] = {}  # by size
 
     @classmethod
     def client(cls, settings: RemoteSettings) -> PrefillClient:
@@ -147,13 +149,13 @@ class _Shared:
             return cls._clients[settings]
 
     @classmethod
-    def pool(cls, settings: RemoteSettings) -> ThreadPoolExecutor:
+    def pool(cls, max_concurrency: int) -> ThreadPoolExecutor:
         with cls._lock:
-            if settings not in cls._pools:
-                cls._pools[settings] = ThreadPoolExecutor(
-                    settings.max_concurrency, thread_name_prefix="zen-mla-prefill"
+            if max_concurrency not in cls._pools:
+                cls._pools[max_concurrency] = ThreadPoolExecutor(
+                    max_concurrency, thread_name_prefix="zen-mla-prefill"
                 )
-            return cls._pools[settings]
+            return cls._pools[max_concurrency]
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +266,8 @@ def prefill_with_context(
         scale: score scale, default `Dqk ** -0.5`.
         return_lse: also return the merged LSE, `[H, T]` fp32, natural log.
         out: `[T, H, Dv]` in v's dtype to write into; default a new tensor.
-        executor: runs the requests; default a pool shared per process.
+        executor: runs the requests; default a pool of `DEFAULT_CONCURRENCY` threads
+            shared per process.
 
     Returns:
         out `[T, H, Dv]` (v's dtype, q's device), or `(out, lse)`.
@@ -284,7 +287,7 @@ def prefill_with_context(
             new_out = out
         return (new_out, _lse(new_lse)) if return_lse else new_out
 
-    pool = executor if executor is not None else _Shared.pool(default_settings())
+    pool = executor if executor is not None else _Shared.pool(DEFAULT_CONCURRENCY)
     pieces = [
         pool.submit(
             _call, client, q, k, v, query_start_loc, None, causal=True, return_lse=True, scale=scale
@@ -550,7 +553,7 @@ class RemotePrefillBackend:
                 scale=self.scale,
                 return_lse=True,
                 out=out,
-                executor=_Shared.pool(self.settings),
+                executor=_Shared.pool(self.settings.max_concurrency),
             )
         return prefill_with_context(
             self.client,
@@ -561,7 +564,7 @@ class RemotePrefillBackend:
             context,
             scale=self.scale,
             out=out,
-            executor=_Shared.pool(self.settings),
+            executor=_Shared.pool(self.settings.max_concurrency),
         )
 
 

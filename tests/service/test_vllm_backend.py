@@ -110,6 +110,21 @@ def test_mla_dims_context_chunk(server):
     assert torch.equal(out[8:28], torch.zeros_like(out[8:28])) and torch.isneginf(lse[:, 8:]).all()
 
 
+def test_views_as_vllm_makes_them(server):
+    """vLLM's k and v are views: v is the second half of an up-projected kv_nope, strided."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(20, 4, 192, generator=gen).bfloat16()
+    kv_nope = torch.randn(20, 4, 128 + 128, generator=gen).bfloat16()
+    k_nope, v = kv_nope.split([128, 128], dim=-1)
+    k_pe = torch.randn(20, 1, 64, generator=gen).bfloat16()
+    k = torch.cat((k_nope, k_pe.expand(-1, 4, -1)), dim=-1)
+    assert not v.is_contiguous()
+    b = make_backend(server.url, MLA, scale=0.1)
+    b.prepare_metadata(Meta(i32(0, 12, 20)))
+    out, lse = b.run_prefill_new_tokens(q, k, v, True)
+    assert_close_to_reference(q, k, v, i32(0, 12, 20), None, True, out, lse, scale=0.1)
+
+
 def test_out_is_written_in_place(server):
     b = make_backend(server.url)
     b.prepare_metadata(Meta(i32(0, 3, 6)))
