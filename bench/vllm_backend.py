@@ -129,6 +129,13 @@ def concurrent(backend: Any, step: Step) -> Callable[[], object]:
     return run
 
 
+def mib_sent(step: Step) -> float:
+    """Tensor bytes the backend sends for a step: q goes again with every context chunk."""
+    nbytes = sum(t.nbytes for t in (step.q, step.k, step.v))
+    nbytes += sum(step.q.nbytes + ctx.k.nbytes + ctx.v.nbytes for ctx in step.context)
+    return nbytes / 2**20
+
+
 def start_server() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,14 +198,15 @@ def main() -> None:
             medians = c.paired_medians(fns, args.reps)
             base = medians["in-process ragged_attention"]
             for method, seconds in medians.items():
-                rows.append([name, method, f"{seconds * 1e3:.2f}", f"{seconds / base:.2f}x"])
+                sent = "-" if method.startswith("in-process") else f"{mib_sent(step):.0f}"
+                rows.append([name, method, sent, f"{seconds * 1e3:.2f}", f"{seconds / base:.2f}x"])
         choice = zen_mla.kernel_choice("auto", torch.bfloat16, return_lse=True)
         print(
             f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs shared by the client and "
             f"the server ({workers} worker(s)); in process: out on {choice.out}, "
             f"LSE on {choice.lse}; medians of {args.reps} interleaved runs\n"
         )
-        print(c.table(["step", "method", "median ms", "vs in-process"], rows))
+        print(c.table(["step", "method", "MiB sent", "median ms", "vs in-process"], rows))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
