@@ -70,7 +70,8 @@ def test_results_equal_in_process(pool, spec, return_lse, kernel):
         else:
             assert torch.equal(result.out, want)
             assert result.lse is None
-        assert result.kernel == ("torch" if return_lse else kernel)
+        want_kernel = zen_mla.kernel_choice(kernel, q.dtype, return_lse=return_lse).out
+        assert result.kernel == want_kernel
     finally:
         result.release()
 
@@ -99,6 +100,7 @@ def test_bad_input_is_refused_before_any_worker_sees_it(pool):
     assert all(w["alive"] for w in pool.workers())
 
 
+@pytest.mark.slow
 def test_sigkill_mid_batch_is_retried_and_the_pool_heals(pool):
     big = torch.randn(3000, 8, 192).bfloat16()
     big_v = torch.randn(3000, 8, 128).bfloat16()
@@ -107,11 +109,11 @@ def test_sigkill_mid_batch_is_retried_and_the_pool_heals(pool):
     restarts = sum(w["restarts"] for w in pool.workers())
     job = pool.submit(big, big, big_v, cu, kernel="reference")
     deadline = time.monotonic() + 30
-    while not any(w.current is not None for w in pool._workers):
+    while not any(w["state"] == "busy" for w in pool.workers()):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    victim = next(w for w in pool._workers if w.current is not None)
-    os.kill(victim.process.pid, signal.SIGKILL)
+    victim = next(w for w in pool.workers() if w["state"] == "busy")
+    os.kill(victim["pid"], signal.SIGKILL)
     result = job.result(120)
     # fp32 matmuls reduce in another order on 1 thread than on 2: equal up to bf16 rounding
     torch.testing.assert_close(result.out, want, atol=1.6e-2, rtol=1.6e-2)
@@ -120,6 +122,7 @@ def test_sigkill_mid_batch_is_retried_and_the_pool_heals(pool):
     assert sum(w["restarts"] for w in pool.workers()) == restarts + 1
 
 
+@pytest.mark.slow
 def test_abandoned_job_frees_its_workers(pool):
     big = torch.randn(4000, 8, 192).bfloat16()
     cu = torch.tensor([0, 4000])
@@ -141,6 +144,7 @@ def test_abandoned_job_frees_its_workers(pool):
     pool.run(*small, timeout=60).release()  # the pool serves again
 
 
+@pytest.mark.slow
 def test_shutdown_with_work_in_flight_never_hangs():
     fds, shm = _open_fds(), set(os.listdir("/dev/shm"))
     p = WorkerPool(PoolConfig(workers=1)).start()

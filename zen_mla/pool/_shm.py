@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._errors import ServiceUnavailableError
+
 __all__ = ["BufferCache", "SharedBuffer", "TensorRef", "tensor_ref", "view"]
 
 ALIGN = 64  # cache-line aligned tensor starts
@@ -123,7 +125,12 @@ class BufferCache:
                 best = min(fits, key=lambda b: b.nbytes)
                 self._free.remove(best)
                 return best
-        return SharedBuffer(nbytes, self._on_free)
+        try:
+            return SharedBuffer(nbytes, self._on_free)
+        except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory (ENOMEM)
+            raise ServiceUnavailableError(
+                f"no shared memory for {nbytes} bytes: {exc.strerror or exc}", retry_after=1.0
+            ) from exc
 
     def put(self, buf: SharedBuffer) -> None:
         with self._lock:

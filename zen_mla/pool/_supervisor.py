@@ -1,8 +1,10 @@
 """The worker pool: spawned processes pinned to CCXs, fed pieces of ragged batches.
 
-One dispatcher thread per worker sends it tasks, waits for the answer or the process's death,
-pings it when idle, and replaces it when it dies. Work lost with a dead worker is retried once
-on another; a job abandoned by its caller has its busy workers killed and replaced.
+One dispatcher thread per worker sends it tasks, waits for the answer, the process's death or
+its silence (workers send a heartbeat from a thread of their own), and replaces a worker that
+dies, retrying with backoff until a replacement starts. Work lost with a dead worker is retried
+once on another; a job abandoned by its caller has its busy workers killed and replaced. Failing
+to send work (no memory or buffer space) fails that work, never the worker.
 """
 
 from __future__ import annotations
@@ -10,39 +12,39 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
-import os
 import queue
 import threading
 import time
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from multiprocessing.reduction import send_handle
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import KernelError, PoolClosedError
+from .._errors import KernelError, PoolClosedError, ServiceUnavailableError
 from .._ragged import RaggedBatch, validate
 from ..kernels import select_kernel
 from ..topology import SYSFS, WorkerSlot, discover_ccxs, plan_workers
-from . import _worker
+from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._schedule import schedule
 from ._shm import BufferCache, SharedBuffer, aligned, tensor_ref
 
 __all__ = ["PoolConfig", "PoolJob", "PoolResult", "WorkerPool"]
 
 log = logging.getLogger("zen_mla.pool")
-_spawn = mp.get_context("spawn")
-_env_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """workers: None for one per CCX; smt: also use SMT siblings; times in seconds."""
+    """workers: None for one per CCX; smt: also use SMT siblings; times in seconds.
+
+    Workers send a heartbeat every `ping_interval`; one silent for `ping_timeout` is "stuck":
+    reported not alive while busy (its work is left to finish or be abandoned), replaced while
+    idle.
+    """
 
     workers: int | None = None
     smt: bool = False
@@ -136,17 +138,34 @@ class PoolJob:
 
 
 class _Worker:
+    """One CCX's worker as the pool sees it. Its dispatcher thread owns every field and is the
+    only one to replace `proc`; `lock` guards `proc`, `state`, `current` and `restarts` against
+    readers in other threads (`workers()`, `cancel()`, `close()`). `WorkerPool._load_lock`
+    guards `load`, `WorkerPool._freed_lock` guards `mapped`."""
+
     def __init__(self, slot: WorkerSlot) -> None:
         self.slot = slot
-        self.process: Any = None
-        self.conn: Connection | None = None
+        self.proc: WorkerProcess | None = None
+        self.state = "starting"  # starting | idle | busy | stuck | stopped
         self.queue: queue.Queue[_Task | None] = queue.Queue()
         self.current: _Task | None = None
         self.load = 0
-        self.alive = False
         self.restarts = 0
         self.mapped: set[int] = set()  # buffer ids the process has mapped
+        self.heard_at = 0.0  # time.monotonic() of the process's last message
         self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """Can take work now (read without the lock: a hint for placing work)."""
+        return self.state in ("idle", "busy")
+
+    def set(self, state: str, proc: WorkerProcess | None = None) -> None:
+        with self.lock:
+            self.state = state
+            if proc is not None:
+                self.proc = proc
 
 
 class WorkerPool:
@@ -163,10 +182,16 @@ class WorkerPool:
         self.slots = plan_workers(ccxs, self.config.workers, smt=self.config.smt)
         self._workers = [_Worker(s) for s in self.slots]
         self._freed: set[int] = set()  # buffer ids freed here but still mapped by a worker
-        self._freed_lock = threading.Lock()
+        self._freed_lock = threading.Lock()  # guards _freed and every _Worker.mapped
+        self._load_lock = threading.Lock()  # guards every _Worker.load and the choice by it
         self._cache = BufferCache(self.config.cache_bytes, self._buffer_freed)
         self._ids = itertools.count(1)
         self._closing = False
+        self._closed = threading.Event()  # set with _closing: wakes backoffs and start waits
+        # Every worker is spawned from this one thread, which lives until close(): a worker
+        # gets SIGKILL when the thread that spawned it exits (PR_SET_PDEATHSIG), and the threads
+        # that call start() or replace a worker may exit first.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="zen-mla-spawner")
         #: input bytes copied into shared memory because they came from ordinary memory
         self.staged_bytes = 0
         self._jobs: set[PoolJob] = set()
@@ -179,11 +204,21 @@ class WorkerPool:
 
     def start(self) -> WorkerPool:
         """Spawn every worker and wait until each has loaded torch (in parallel)."""
-        for w in self._workers:
-            self._spawn(w)
-        deadline = time.monotonic() + self.config.start_timeout
-        for w in self._workers:
-            self._await_ready(w, deadline)
+        try:
+            for w in self._workers:
+                w.set("starting", self._spawner.submit(self._new_process, w.slot).result())
+            deadline = time.monotonic() + self.config.start_timeout
+            for w in self._workers:
+                assert w.proc is not None
+                w.proc.wait_ready(deadline, self._closed)
+                w.heard_at = time.monotonic()
+                w.set("idle")
+        except BaseException:
+            for w in self._workers:
+                if w.proc is not None:
+                    w.proc.stop()
+            self._spawner.shutdown()
+            raise
         for w in self._workers:
             w.thread = threading.Thread(
                 target=self._dispatch_loop,
@@ -206,6 +241,7 @@ class WorkerPool:
         with self._lock:
             self._closing = True
             jobs = list(self._jobs)
+        self._closed.set()
         deadline = time.monotonic() + grace
         for job in jobs:
             with contextlib.suppress(Exception):
@@ -214,174 +250,228 @@ class WorkerPool:
             job._fail(PoolClosedError("the worker pool shut down before this batch finished"))
         for w in self._workers:
             w.queue.put(None)
-            if w.current is not None and w.process is not None:
-                w.process.kill()
+            with w.lock:
+                if w.current is not None and w.proc is not None:
+                    w.proc.kill()
         for w in self._workers:
             if w.thread is not None:
                 w.thread.join(timeout=5)
-            self._stop_process(w)
+            with w.lock:
+                proc, w.proc, w.state = w.proc, None, "stopped"
+            if proc is not None:
+                proc.stop()
+        self._spawner.shutdown(wait=False, cancel_futures=True)
         self._cache.clear()
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's id, CPUs, threads, liveness, pid and restarts (for /health)."""
-        return [
-            {
-                "id": w.slot.id,
-                "cpus": list(w.slot.cpus),
-                "threads": w.slot.threads,
-                "alive": bool(w.alive and w.process is not None and w.process.is_alive()),
-                "pid": w.process.pid if w.process is not None else None,
-                "restarts": w.restarts,
-            }
-            for w in self._workers
-        ]
+        """Each worker's id, CPUs, threads, state, liveness, pid and restarts (for /health).
 
-    def _spawn(self, w: _Worker) -> None:
-        parent, child = _spawn.Pipe(duplex=True)
-        threads = w.slot.threads
-        # The child's OpenMP runtime reads its environment when torch loads, which can happen
-        # before our entry point runs (spawn re-imports the parent's __main__): hand it the
-        # thread counts through the environment it is started with.
-        with _env_lock:
-            saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-            os.environ.update({v: str(threads) for v in saved})
-            try:
-                proc = _spawn.Process(
-                    target=_worker.main,
-                    args=(child, w.slot.cpus, threads, self._warm_zentorch),
-                    name=f"zen-mla-worker-{w.slot.id}",
-                    daemon=True,
-                )
-                proc.start()
-            finally:
-                for v, old in saved.items():
-                    if old is None:
-                        os.environ.pop(v, None)
-                    else:
-                        os.environ[v] = old
-        child.close()
-        w.process, w.conn, w.alive = proc, parent, False
-        w.mapped = set()
+        `state`: "starting" (being spawned or replaced), "idle", "busy", "stuck" (silent for
+        `ping_timeout` s, say stopped; a busy one is left to finish or be abandoned), "dead"
+        (exited, not noticed yet) or "stopped" (pool closed). `alive`: idle or busy.
+        """
+        out = []
+        for w in self._workers:
+            with w.lock:
+                proc, state, restarts = w.proc, w.state, w.restarts
+                running = proc is not None and proc.is_alive()
+            if state in ("idle", "busy", "stuck") and not running:
+                state = "dead"
+            out.append(
+                {
+                    "id": w.slot.id,
+                    "cpus": list(w.slot.cpus),
+                    "threads": w.slot.threads,
+                    "alive": state in ("idle", "busy"),
+                    "state": state,
+                    "pid": proc.pid if proc is not None else None,
+                    "restarts": restarts,
+                }
+            )
+        return out
 
-    def _await_ready(self, w: _Worker, deadline: float) -> None:
-        assert w.conn is not None
-        ready = wait([w.conn, w.process.sentinel], max(0.0, deadline - time.monotonic()))
-        if w.conn in ready:
-            try:
-                msg = w.conn.recv()
-            except (EOFError, OSError):
-                msg = None
-            if msg and msg[0] == "ready":
-                w.alive = True
-                return
-        raise KernelError(f"worker {w.slot.id} on CPUs {list(w.slot.cpus)} did not start")
+    def _new_process(self, slot: WorkerSlot) -> WorkerProcess:
+        return WorkerProcess(slot, self._warm_zentorch, self.config.ping_interval)
 
-    def _stop_process(self, w: _Worker) -> None:
-        w.alive = False
-        if w.process is None:
-            return
-        if w.process.is_alive() and w.conn is not None:
-            with contextlib.suppress(OSError):
-                w.conn.send(("stop",))
-            w.process.join(timeout=2)
-        if w.process.is_alive():
-            w.process.kill()
-        w.process.join(timeout=5)
-        if w.conn is not None:
-            w.conn.close()
-        w.process.close()
-        w.process, w.conn = None, None
+    def _replace(self, w: _Worker, why: str) -> None:
+        """Kill `w`'s process and start another, retrying with backoff (0.1 s doubling to 5 s)
+        until one starts or the pool closes; `w`'s queued work moves to ready workers."""
+        with w.lock:
+            old, w.proc, w.state = w.proc, None, "starting"
+            w.restarts += 1
+        log.warning("worker %d (pid %s) %s; replacing it", w.slot.id, old.pid if old else None, why)
+        if old is not None:
+            old.kill()
+            old.stop()
+        with self._freed_lock:
+            w.mapped.clear()
+            self._freed = {i for i in self._freed if any(i in o.mapped for o in self._workers)}
+        self._redistribute(w)
+        self._respawn(w)
 
-    def _replace(self, w: _Worker) -> None:
-        log.warning(
-            "worker %d (pid %s) died; replacing it", w.slot.id, w.process.pid if w.process else None
+    def _respawn(self, w: _Worker) -> None:
+        """Start a process for `w`, which has none (retrying until one is ready or the pool
+        closes)."""
+        proc = start_until_ready(
+            lambda: self._spawner.submit(self._new_process, w.slot).result(),
+            self.config.start_timeout,
+            self._closed,
+            f"worker {w.slot.id}",
         )
-        self._stop_process(w)
-        w.restarts += 1
-        while not self._closing:
-            try:
-                self._spawn(w)
-                self._await_ready(w, time.monotonic() + self.config.start_timeout)
-                return
-            except KernelError:
-                self._stop_process(w)
-                time.sleep(1.0)
+        if proc is not None:
+            w.heard_at = time.monotonic()
+            w.set("idle", proc)
+            log.warning("worker %d replaced (pid %s)", w.slot.id, proc.pid)
+
+    def _redistribute(self, w: _Worker) -> None:
+        """Move work queued on `w` (being replaced) to workers that can take it now."""
+        if not any(o.ready for o in self._workers if o is not w):
+            return
+        moved: list[_Task] = []
+        with contextlib.suppress(queue.Empty):
+            for _ in range(w.queue.qsize()):
+                task = w.queue.get_nowait()
+                if task is None:
+                    w.queue.put(None)  # close() asked this dispatcher to stop
+                    break
+                moved.append(task)
+        for task in moved:
+            with self._load_lock:
+                w.load -= task.cost
+            self._enqueue(task, exclude=w)
 
     # -- dispatch ----------------------------------------------------------------------------
 
     def _dispatch_loop(self, w: _Worker) -> None:
-        pings = itertools.count()
         while True:
             try:
-                task = w.queue.get(timeout=self.config.ping_interval)
-            except queue.Empty:
-                if not self._closing and not self._ping(w, next(pings)):
-                    self._replace(w)
-                continue
-            if task is None:
-                return
-            w.load -= task.cost
-            if task.job.done():
-                continue  # cancelled or failed while queued
-            w.current = task
-            outcome = self._run_on(w, task)
-            w.current = None
-            if outcome is None:  # the process died under the task
-                if not self._closing:
-                    self._replace(w)
-                self._lost(task, w)
-            elif outcome[0] == "done":
-                task.job._piece_done()
-            else:
-                task.job._fail(KernelError(f"worker {w.slot.id}: {outcome[2]}: {outcome[3]}"))
+                if not self._dispatch_one(w):
+                    return
+            except Exception as exc:  # a bug of ours: fail the task at hand, keep dispatching
+                log.exception("worker %d: dispatcher error", w.slot.id)
+                with w.lock:
+                    task, w.current = w.current, None
+                if task is not None:
+                    task.job._fail(KernelError(f"worker {w.slot.id}: {type(exc).__name__}: {exc}"))
+                if w.state == "busy":
+                    w.set("idle")
+                self._closed.wait(0.1)  # no hot loop should the error repeat
 
-    def _run_on(self, w: _Worker, task: _Task) -> tuple[Any, ...] | None:
-        conn, proc = w.conn, w.process
-        if conn is None or proc is None:
-            return None
+    def _dispatch_one(self, w: _Worker) -> bool:
+        """Run one task from `w`'s queue, or check on the idle worker; False: pool closed."""
+        try:
+            task = w.queue.get(timeout=self.config.ping_interval)
+        except queue.Empty:
+            if not self._closing:
+                self._check_idle(w)
+            return True
+        if task is None:
+            return False
+        with self._load_lock:
+            w.load -= task.cost
+        if task.job.done():
+            return True  # cancelled or failed while queued
+        if w.proc is None and not self._closing:
+            self._respawn(w)  # a replacement an error of ours interrupted
+        if w.proc is None:  # the pool closed before a replacement started
+            self._lost(task, w)
+            return True
+        with w.lock:
+            w.current = task  # left set if _run_on raises: _dispatch_loop fails it
+        outcome = self._run_on(w, w.proc, task)
+        with w.lock:
+            w.current = None
+        if isinstance(outcome, str):  # the process died under the task, or the pipe broke
+            self._lost(task, w)  # first, so that the work need not wait for the respawn
+            if not self._closing:
+                self._replace(w, outcome)
+        elif isinstance(outcome, SendFailedError):
+            task.job._fail(
+                ServiceUnavailableError(
+                    f"could not hand work to worker {w.slot.id}: {outcome}", retry_after=1.0
+                )
+            )
+        elif outcome[0] == "done":
+            task.job._piece_done()
+        else:
+            task.job._fail(KernelError(f"worker {w.slot.id}: {outcome[2]}: {outcome[3]}"))
+        return True
+
+    def _check_idle(self, w: _Worker) -> None:
+        """Read the heartbeats of an idle worker; replace it if it died or fell silent (it holds
+        no work, so nothing is lost)."""
+        proc = w.proc
+        if proc is None:
+            self._respawn(w)  # a replacement an error of ours interrupted
+            return
+        try:
+            while proc.conn.poll(0):
+                proc.conn.recv()
+                w.heard_at = time.monotonic()
+        except (EOFError, OSError):
+            self._replace(w, "closed its pipe")
+            return
+        if not proc.is_alive():
+            self._replace(w, f"exited (code {proc.process.exitcode})")
+        elif time.monotonic() - w.heard_at > self.config.ping_timeout:
+            self._replace(w, f"was silent for {self.config.ping_timeout} s while idle")
+
+    def _run_on(
+        self, w: _Worker, proc: WorkerProcess, task: _Task
+    ) -> tuple[Any, ...] | SendFailedError | str:
+        """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
+        process is lost."""
         if task.job.started_at is None:
             task.job.started_at = time.perf_counter()
         with self._freed_lock:
             forget = w.mapped & self._freed
-            w.mapped -= forget
-            self._freed -= {i for i in forget if not any(i in o.mapped for o in self._workers)}
-        fresh = [b for b in task.buffers if b.id not in w.mapped]
+            fresh = [b for b in task.buffers if b.id not in w.mapped]
         spec = {
             **task.spec,
             "buffers": [(b.id, b.nbytes, b in fresh) for b in task.buffers],
             "forget": sorted(forget),
         }
         try:
-            conn.send(("run", task.id, spec))
-            for buf in fresh:
-                send_handle(conn, buf.fd, proc.pid)
-                w.mapped.add(buf.id)
-            while True:
-                ready = wait([conn, proc.sentinel])
-                if conn in ready:
-                    msg: tuple[Any, ...] = conn.recv()
-                    if msg[0] in ("done", "error") and msg[1] == task.id:
-                        return msg
-                elif proc.sentinel in ready:
-                    return None
-        except (EOFError, OSError):
-            return None
-
-    def _ping(self, w: _Worker, n: int) -> bool:
-        conn, proc = w.conn, w.process
-        if conn is None or proc is None or not proc.is_alive():
-            return False
-        try:
-            conn.send(("ping", n))
-            deadline = time.monotonic() + self.config.ping_timeout
-            while time.monotonic() < deadline:
-                if conn.poll(max(0.0, deadline - time.monotonic())):
-                    msg = conn.recv()
-                    if msg == ("pong", n):
-                        return True
-            return False
-        except (EOFError, OSError):
-            return False
+            proc.send(("run", task.id, spec), [b.fd for b in fresh])
+        except SendFailedError as exc:
+            log.warning("worker %d: could not send a task: %s", w.slot.id, exc)
+            return exc
+        except WorkerGoneError as exc:
+            return f"lost its pipe ({exc})"
+        with self._freed_lock:
+            w.mapped -= forget
+            w.mapped |= {b.id for b in fresh}
+            self._freed -= {i for i in forget if not any(i in o.mapped for o in self._workers)}
+        w.set("busy")
+        while True:
+            ready = wait([proc.conn, proc.sentinel], self.config.ping_interval)
+            if proc.conn in ready:
+                try:
+                    msg: tuple[Any, ...] = proc.conn.recv()
+                except (EOFError, OSError):
+                    return "died"
+                w.heard_at = time.monotonic()
+                if w.state == "stuck":
+                    log.warning("worker %d (pid %s) is answering again", w.slot.id, proc.pid)
+                    w.set("busy")
+                if msg[0] in ("done", "error") and msg[1] == task.id:
+                    w.set("idle")
+                    if msg[0] == "error":  # the worker unmapped the task's buffers
+                        with self._freed_lock:
+                            w.mapped -= {b.id for b in task.buffers}
+                    return msg
+            elif proc.sentinel in ready:
+                return f"died (exit code {proc.process.exitcode})"
+            elif w.state != "stuck" and time.monotonic() - w.heard_at > self.config.ping_timeout:
+                # Not killed: a slow task is the caller's to abandon (its deadline); a stopped
+                # one may resume. Reported as not alive meanwhile.
+                log.warning(
+                    "worker %d (pid %s) silent for %.1f s mid-task: stuck",
+                    w.slot.id,
+                    proc.pid,
+                    time.monotonic() - w.heard_at,
+                )
+                w.set("stuck")
 
     def _lost(self, task: _Task, dead: _Worker) -> None:
         if task.job.done():
@@ -394,24 +484,31 @@ class WorkerPool:
                 )
             )
             return
-        others = [w for w in self._workers if w is not dead and w.alive] or [dead]
-        self._enqueue(min(others, key=lambda w: w.load), task)
+        self._enqueue(task, exclude=dead)
 
-    def _enqueue(self, w: _Worker, task: _Task) -> None:
-        w.load += task.cost
-        w.queue.put(task)
+    def _enqueue(self, task: _Task, exclude: _Worker | None = None) -> None:
+        """Queue `task` on the least-loaded ready worker (other than `exclude`), or, if none is
+        ready, on the least-loaded one (it runs when its replacement is up)."""
+        with self._load_lock:
+            others = [w for w in self._workers if w is not exclude] or self._workers
+            w = min([o for o in others if o.ready] or others, key=lambda o: o.load)
+            w.load += task.cost
+            w.queue.put(task)
 
     def _cancel(self, job: PoolJob) -> None:
         for w in self._workers:
-            task = w.current
-            if task is not None and task.job is job and w.process is not None:
-                w.process.kill()  # the dispatcher sees the death and replaces the worker
+            with w.lock:
+                task, proc = w.current, w.proc
+                if task is not None and task.job is job and proc is not None:
+                    proc.kill()  # the dispatcher sees the death and replaces the worker
 
     # -- submission --------------------------------------------------------------------------
 
     def buffer(self, nbytes: int) -> SharedBuffer:
         """Shared memory for the caller to fill (say, a request body read from a socket);
-        tensors viewing it are passed to `submit()` with `inputs=` and read in place."""
+        tensors viewing it are passed to `submit()` with `inputs=` and read in place.
+        ServiceUnavailableError (try again) when this process is out of descriptors or memory,
+        as `submit()`."""
         return self._cache.get(nbytes)
 
     def release(self, buf: SharedBuffer) -> None:
@@ -463,7 +560,11 @@ class WorkerPool:
         else:
             # Inputs from ordinary memory: one copy into shared memory is unavoidable here.
             sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
-            staging = src = self._cache.get(sum(sizes))
+            try:
+                staging = src = self._cache.get(sum(sizes))
+            except ServiceUnavailableError:
+                self._cache.put(out_buf)
+                raise
             self.staged_bytes += sum(sizes)
             offset, staged = 0, []
             for t, size in zip(tensors, sizes, strict=True):
@@ -517,7 +618,7 @@ class WorkerPool:
             self._jobs.add(job)
         # the plan's i-th share goes to the least-loaded worker, biggest share first
         for task in sorted(tasks, key=lambda t: -t.cost):
-            self._enqueue(min(self._workers, key=lambda w: w.load), task)
+            self._enqueue(task)
         job._future.add_done_callback(lambda _: self._forget(job))
         return job
 

@@ -6,11 +6,33 @@ in place before torch (and its OpenMP runtime) loads.
 
 from __future__ import annotations
 
+import array
+import ctypes
 import mmap
 import os
+import pickle
+import signal
+import socket
+import struct
+import threading
+import time
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 from typing import Any
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: descriptors one message may carry (a task names two buffers: its inputs and its outputs)
+MAX_FDS = 8
+#: how often the watchdog looks for its parent, in seconds
+WATCH_INTERVAL = 0.2
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that spawned it exits; exit now if the parent died
+    before prctl, which nothing would tell us about."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _setup(cpus: tuple[int, ...], threads: int) -> None:
@@ -19,13 +41,96 @@ def _setup(cpus: tuple[int, ...], threads: int) -> None:
         os.environ[var] = str(threads)
 
 
-def main(conn: Connection, cpus: tuple[int, ...], threads: int, warm_zentorch: bool) -> None:
+class _Sender:
+    """The worker's sending end, shared by the main thread (answers) and the watchdog thread
+    (heartbeats); `lock` keeps their messages whole."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def _watchdog(parent_pid: int, sender: _Sender, ready: threading.Event, interval: float) -> None:
+    """Exit when the parent is gone (a second line behind PR_SET_PDEATHSIG); once ready, send a
+    heartbeat every `interval` s. It is a thread of its own so that a worker busy in a kernel
+    still beats, and one that is stopped (SIGSTOP stops every thread) falls silent."""
+    beats, next_beat = 0, 0.0
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        now = time.monotonic()
+        if ready.is_set() and now >= next_beat:
+            try:
+                sender.send(("beat", beats))
+            except OSError:
+                os._exit(1)  # the supervisor closed its end
+            beats, next_beat = beats + 1, now + interval
+        time.sleep(WATCH_INTERVAL)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    """One message as `WorkerProcess.send` frames it (`Connection`'s framing) and the
+    descriptors that came with its first bytes."""
+    head, ancillary, flags, _ = sock.recvmsg(4, socket.CMSG_SPACE(MAX_FDS * 4))
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(data[: len(data) - len(data) % got.itemsize])
+            fds.extend(got)
+    if not head:
+        raise EOFError
+    head += _recv_exact(sock, 4 - len(head))
+    (n,) = struct.unpack("!i", head)
+    msg = pickle.loads(_recv_exact(sock, n))
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        fds = []  # descriptors were lost (this process has none left): the task fails
+    return msg, fds
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        part = sock.recv(left)
+        if not part:
+            raise EOFError
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def main(
+    conn: Connection,
+    parent_pid: int,
+    cpus: tuple[int, ...],
+    threads: int,
+    warm_zentorch: bool,
+    beat_interval: float,
+) -> None:
     """Entry point of a spawned worker. Messages (tuples, never tensor bytes):
 
-    in:  ("run", task_id, spec) followed by one descriptor per spec["buffers"] entry not
-         mapped yet; ("ping", n); ("stop",). spec["forget"]: buffers to unmap.
-    out: ("ready", pid); ("done", task_id); ("error", task_id, type name, message); ("pong", n)
+    in:  ("run", task_id, spec) with one descriptor attached per spec["buffers"] entry marked
+         sent, in order; ("stop",). spec["forget"]: buffers to unmap.
+    out: ("ready", pid); ("done", task_id); ("error", task_id, type name, message);
+         ("beat", n) every `beat_interval` s from the watchdog thread.
+
+    After an "error" the worker keeps none of the task's buffers mapped; the supervisor sends
+    their descriptors again when it next needs them.
     """
+    _die_with_parent(parent_pid)
+    sender, ready = _Sender(conn), threading.Event()
+    threading.Thread(
+        target=_watchdog,
+        args=(parent_pid, sender, ready, beat_interval),
+        name="zen-mla-watchdog",
+        daemon=True,
+    ).start()
     _setup(cpus, threads)
     import torch
 
@@ -34,32 +139,38 @@ def main(conn: Connection, cpus: tuple[int, ...], threads: int, warm_zentorch: b
         from zen_mla._status import zentorch_op
 
         zentorch_op()  # import zentorch now, not on the first request
-    conn.send(("ready", os.getpid()))
+    sender.send(("ready", os.getpid()))
+    ready.set()
+    # a socket object over the pipe's descriptor, to receive descriptors (recvmsg)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
     # Mappings stay across tasks (the supervisor reuses buffers), so a task maps nothing new and
     # touches no page table; the supervisor says which to forget when it frees a buffer.
     maps: dict[int, Any] = {}
     while True:
         try:
-            msg = conn.recv()
+            msg, fds = _recv(sock)
         except (EOFError, OSError):
             return  # the supervisor is gone
         if msg[0] == "stop":
             return
-        if msg[0] == "ping":
-            conn.send(("pong", msg[1]))
-            continue
         _, task_id, spec = msg
         for buf_id in spec["forget"]:
             maps.pop(buf_id, None)
         try:
-            for buf_id, nbytes, sent in spec["buffers"]:
-                if sent:
-                    maps[buf_id] = _map(recv_handle(conn), nbytes)
+            fresh = [(buf_id, nbytes) for buf_id, nbytes, sent in spec["buffers"] if sent]
+            if len(fds) != len(fresh):
+                raise OSError(f"{len(fresh)} shared buffers sent, {len(fds)} arrived")
+            for buf_id, nbytes in fresh:
+                maps[buf_id] = _map(fds.pop(0), nbytes)  # _map owns the descriptor
             _run(spec, maps)
         except Exception as exc:  # reported, never fatal: the next task gets a clean slate
-            conn.send(("error", task_id, type(exc).__name__, str(exc)))
+            for fd in fds:
+                os.close(fd)
+            for buf_id, _nbytes, _sent in spec["buffers"]:
+                maps.pop(buf_id, None)
+            sender.send(("error", task_id, type(exc).__name__, str(exc)))
         else:
-            conn.send(("done", task_id))
+            sender.send(("done", task_id))
 
 
 def _map(fd: int, nbytes: int) -> Any:
