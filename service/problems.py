@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from http import HTTPStatus
 from typing import Any
@@ -9,7 +10,13 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from zen_mla._errors import InvalidInputError, OverloadedError, ZenMLAError, status_of
+from zen_mla._errors import (
+    InvalidInputError,
+    OverloadedError,
+    UnauthorizedError,
+    ZenMLAError,
+    status_of,
+)
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -30,6 +37,12 @@ class Problem(BaseModel):
 def problem(
     exc: ZenMLAError, request_id: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
+    body = problem_body(exc, request_id)
+    headers = problem_headers(exc) | dict(headers or {})
+    return JSONResponse(body, status_code=body["status"], headers=headers, media_type=PROBLEM_JSON)
+
+
+def problem_body(exc: ZenMLAError, request_id: str | None = None) -> dict[str, Any]:
     status = status_of(exc)
     body: dict[str, Any] = {
         "type": f"urn:zen-mla:problem:{type(exc).__name__}",
@@ -41,10 +54,31 @@ def problem(
         body |= {"tensor": exc.name, "expected": exc.expected, "got": exc.got}
     if request_id is not None:
         body["request_id"] = request_id
-    headers = dict(headers or {})
+    return body
+
+
+def problem_headers(exc: ZenMLAError) -> dict[str, str]:
+    headers = {}
     if isinstance(exc, OverloadedError) and exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+    if isinstance(exc, UnauthorizedError):
+        headers["WWW-Authenticate"] = 'Bearer realm="zen-mla"'  # RFC 6750
+    return headers
+
+
+def problem_bytes(exc: ZenMLAError) -> bytes:
+    """A whole HTTP/1.1 answer with `Connection: close`, for the protocol layer, which answers
+    before (or instead of) a request reaching the app."""
+    body = json.dumps(problem_body(exc)).encode()
+    status = status_of(exc)
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+    head += [f"{k}: {v}" for k, v in problem_headers(exc).items()]
+    head += [
+        f"content-type: {PROBLEM_JSON}",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -52,5 +86,5 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": HTTPStatus(status).phrase,
         "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
     }
-    for status in (400, 401, 411, 413, 415, 422, 429, 500, 503, 504)
+    for status in (400, 401, 408, 411, 413, 415, 422, 429, 431, 500, 503, 504)
 }

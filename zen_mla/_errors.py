@@ -7,9 +7,11 @@
     │   └── WireFormatError                 the body is not a readable safetensors file  400
     ├── RequestRejectedError                the service refused the request as sent
     │   ├── UnauthorizedError               bad or missing bearer token                  401
+    │   ├── RequestTimeoutError (TimeoutError) headers or body slower than the limits 408
     │   ├── LengthRequiredError             no Content-Length                            411
     │   ├── BodyTooLargeError               Content-Length over the body limit           413
-    │   └── UnsupportedMediaTypeError       not application/octet-stream                 415
+    │   ├── UnsupportedMediaTypeError       not application/octet-stream                 415
+    │   └── HeadersTooLargeError            request line and headers over the cap        431
     ├── OverloadedError                     try again later (see `retry_after`)
     │   ├── QueueFullError                  the queue is full                            429
     │   └── ServiceUnavailableError         not ready, or draining                       503
@@ -28,6 +30,7 @@ __all__ = [
     "STATUS",
     "BodyTooLargeError",
     "DeadlineExceededError",
+    "HeadersTooLargeError",
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
@@ -36,6 +39,7 @@ __all__ = [
     "PoolClosedError",
     "QueueFullError",
     "RequestRejectedError",
+    "RequestTimeoutError",
     "ServiceUnavailableError",
     "UnauthorizedError",
     "UnsupportedMediaTypeError",
@@ -87,6 +91,11 @@ class UnauthorizedError(RequestRejectedError, PermissionError):
     """A bearer token is required and was missing or wrong."""
 
 
+class RequestTimeoutError(RequestRejectedError, TimeoutError):
+    """The headers did not arrive within the header timeout, or the body arrived slower than
+    the minimum rate; the connection is closed."""
+
+
 class LengthRequiredError(RequestRejectedError, ValueError):
     """The request had no Content-Length; the body is sized from it before reading."""
 
@@ -97,6 +106,10 @@ class BodyTooLargeError(RequestRejectedError, ValueError):
 
 class UnsupportedMediaTypeError(RequestRejectedError, ValueError):
     """The body is not `application/octet-stream`."""
+
+
+class HeadersTooLargeError(RequestRejectedError, ValueError):
+    """The request line and headers are over the service's cap; the connection is closed."""
 
 
 class OverloadedError(ZenMLAError):
@@ -130,9 +143,11 @@ class KernelError(ZenMLAError, RuntimeError):
 STATUS: dict[type[ZenMLAError], int] = {
     WireFormatError: 400,
     UnauthorizedError: 401,
+    RequestTimeoutError: 408,
     LengthRequiredError: 411,
     BodyTooLargeError: 413,
     UnsupportedMediaTypeError: 415,
+    HeadersTooLargeError: 431,
     KernelUnavailableError: 422,
     WorkTooLargeError: 422,
     InvalidInputError: 422,
@@ -147,9 +162,11 @@ STATUS: dict[type[ZenMLAError], int] = {
 BY_STATUS: dict[int, type[ZenMLAError]] = {
     400: WireFormatError,
     401: UnauthorizedError,
+    408: RequestTimeoutError,
     411: LengthRequiredError,
     413: BodyTooLargeError,
     415: UnsupportedMediaTypeError,
+    431: HeadersTooLargeError,
     422: InvalidInputError,
     429: QueueFullError,
     500: KernelError,
