@@ -37,9 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
     # The server process only parses and copies; the workers compute. One thread here keeps
     # its OpenMP pool from spinning on cores the workers own.
     torch.set_num_threads(1)
-    from .server import build_server
+    from .server import build_server, raise_fd_limit
 
-    build_server(settings).run()
+    build_server(settings, fd_limit=raise_fd_limit()).run()
     return 0
 
 
@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--deadline-s", dest="deadline_s", type=float)
     serve.add_argument("--max-work", dest="max_work", type=int)
     serve.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float)
+    serve.add_argument("--max-uploads", dest="max_uploads", type=int)
+    serve.add_argument("--max-inflight-bytes", dest="max_inflight_bytes", type=int)
+    serve.add_argument("--min-body-rate", dest="min_body_rate", type=float)
+    serve.add_argument("--body-grace-s", dest="body_grace_s", type=float)
+    serve.add_argument("--max-header-bytes", dest="max_header_bytes", type=int)
+    serve.add_argument("--header-timeout-s", dest="header_timeout_s", type=float)
+    serve.add_argument("--max-connections", dest="max_connections", type=int)
+    serve.add_argument("--fd-reserve", dest="fd_reserve", type=int)
+    serve.add_argument("--linger-s", dest="linger_s", type=float)
     serve.add_argument("--http", choices=["httptools", "h11"])
     serve.add_argument("--log-level", dest="log_level")
     serve.set_defaults(run=_serve)

@@ -4,12 +4,14 @@ finish (up to the drain timeout), then the usual shutdown; a second signal exits
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from types import FrameType
 
 import uvicorn
 
 from .app import ServiceState, create_app
+from .protocol import ConnectionLimits, protocol_class
 from .settings import Settings
 
 log = logging.getLogger("zen_mla.service")
@@ -38,18 +40,57 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def build_server(settings: Settings) -> DrainingServer:
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the soft limit now.
+
+    Connections, the pool's pipes and every shared buffer each hold a descriptor; the common
+    default soft limit (1024) is far below what the hard limit allows.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # a container may forbid it: keep what we have
+            log.warning("could not raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def connection_cap(settings: Settings, fd_limit: int) -> int:
+    """`max_connections`, lowered so that `fd_reserve` descriptors stay for the pool."""
+    cap = min(settings.max_connections, max(1, fd_limit - settings.fd_reserve))
+    if cap < settings.max_connections:
+        log.warning(
+            "max_connections lowered from %d to %d: %d descriptors allowed, %d kept for the pool",
+            settings.max_connections,
+            cap,
+            fd_limit,
+            settings.fd_reserve,
+        )
+    return cap
+
+
+def build_server(settings: Settings, fd_limit: int) -> DrainingServer:
     app = create_app(settings)
+    limits = ConnectionLimits(
+        max_connections=connection_cap(settings, fd_limit),
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_s=settings.header_timeout_s,
+        linger_s=settings.linger_s,
+        linger_bytes=settings.max_body_bytes,
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         uds=settings.uds,
-        http=settings.http,
+        http=protocol_class(settings.http, limits),
         loop="uvloop",
         log_level=settings.log_level,
         # the pool drains itself; uvicorn's own wait only covers sending the last bytes
         timeout_graceful_shutdown=5,
         access_log=False,  # one structured line per request comes from the app instead
+        # h11's own head limit answers 400; ours (protocol.py) answers 431 before it is reached
+        h11_max_incomplete_event_size=2 * settings.max_header_bytes,
     )
     return DrainingServer(config, app.state.service)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -20,7 +20,32 @@ class Settings(BaseSettings):
     smt: bool = Field(False, description="also run threads on SMT siblings")
     api_token: SecretStr | None = Field(None, description="bearer token guarding /prefill")
     max_body_bytes: int = Field(1 << 30, gt=0, description="413 above this Content-Length")
-    max_queue: int = Field(8, ge=1, description="requests admitted at once; 429 above")
+    max_queue: int = Field(
+        8, ge=1, description="requests whose body is in, queued or computing at once; 429 above"
+    )
+    max_uploads: int = Field(32, ge=1, description="bodies being read at once; 429 above")
+    max_inflight_bytes: int = Field(
+        4 << 30, gt=0, description="Content-Length sum of admitted requests held; 429 above"
+    )
+    min_body_rate: float = Field(
+        1e6, ge=0, description="bytes/s a body must average after the grace; 408 below; 0: off"
+    )
+    body_grace_s: float = Field(2.0, ge=0, description="time before a body's rate counts")
+    max_header_bytes: int = Field(
+        64 << 10, ge=1024, description="request line and headers; 431 above"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection's headers must be in within this; 408 and closed"
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="open connections; 503 above (also capped below the fd limit)"
+    )
+    fd_reserve: int = Field(
+        256, ge=0, description="descriptors kept for the pool and the process, off the cap"
+    )
+    linger_s: float = Field(
+        2.0, ge=0, description="after an early answer, unread input is discarded this long"
+    )
     deadline_s: float = Field(60.0, gt=0, description="504 and the work abandoned after this")
     max_work: int = Field(
         1 << 41, gt=0, description="cap on H * Dqk * (visible query-key pairs) per request"
@@ -28,6 +53,26 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, in-flight work gets this")
     http: Literal["httptools", "h11"] = "httptools"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError(
+                "api_token (ZEN_MLA_API_TOKEN) is set but empty: an empty token would let "
+                "anyone in. Set a real token, or unset the variable to run without one"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _budget(self) -> Settings:
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_inflight_bytes: expected at least max_body_bytes ({self.max_body_bytes}), "
+                f"got {self.max_inflight_bytes}; a body of the largest allowed size would "
+                "always be refused"
+            )
+        return self
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -45,7 +47,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(tmp: Path, *, uds: bool = False, **settings: object) -> Iterator[Server]:
+def serve(
+    tmp: Path, *, uds: bool = False, nofile: tuple[int, int] | None = None, **settings: object
+) -> Iterator[Server]:
+    """`zen-mla serve` with `settings` as ZEN_MLA_* variables; `nofile`: its (soft, hard)
+    RLIMIT_NOFILE."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
     args = [sys.executable, "-c", "from service.cli import main; main()", "serve"]
@@ -59,7 +65,14 @@ def serve(tmp: Path, *, uds: bool = False, **settings: object) -> Iterator[Serve
         url, path = f"http://127.0.0.1:{port}", None
     log = tmp / "server.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        limit = (
+            None
+            if nofile is None
+            else functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, nofile)
+        )
+        process = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit
+        )
     server = Server(url, process, log, path)
     try:
         deadline = time.monotonic() + 180
