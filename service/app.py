@@ -1,13 +1,14 @@
 """The FastAPI app: POST /prefill, GET /health, /health/live, /metrics.
 
 The app owns the worker pool through its lifespan. A request body is read straight into the
-pool's shared memory, decoded as views, run by the workers and sent back from the shared memory
-the workers wrote; errors leave as problem+json through `problems.problem`.
+pool's shared memory (`ingest`), decoded as views, run by the workers and sent back from the
+shared memory the workers wrote; errors leave as problem+json through `problems.problem`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -30,11 +31,9 @@ from zen_mla._errors import (
     DeadlineExceededError,
     KernelError,
     LengthRequiredError,
-    QueueFullError,
     ServiceUnavailableError,
     UnauthorizedError,
     UnsupportedMediaTypeError,
-    WireFormatError,
     WorkTooLargeError,
     ZenMLAError,
     status_of,
@@ -43,6 +42,7 @@ from zen_mla._status import zentorch_status
 from zen_mla.kernels import select_kernel
 from zen_mla.pool import PoolConfig, PoolResult, SharedBuffer, WorkerPool
 
+from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
 from .metrics import Metrics
 from .problems import PROBLEM_RESPONSES, Problem, problem
 from .settings import Settings
@@ -58,8 +58,16 @@ class ServiceState:
     ready: bool = False
     draining: bool = False
     start_error: str | None = None
-    inflight: int = 0
     metrics: Metrics = field(default_factory=Metrics)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.settings)
+
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not answered: bodies being read, queued or computing."""
+        return self.admission.inflight
 
 
 def create_app(settings: Settings | None = None, pool: WorkerPool | None = None) -> FastAPI:
@@ -110,39 +118,22 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
         """200 while the process runs."""
         return {"status": "alive"}
 
-    @app.get("/health", responses={503: {"description": "not ready, or draining"}})
+    # HEAD answers as GET does, headers included; uvicorn sends no body for HEAD.
+    app.add_api_route("/health/live", live, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/health", responses={503: {"description": "not ready, draining, or no worker alive"}})
     async def health() -> JSONResponse:
         """Readiness: zentorch, the kernel "auto" resolves to, each worker."""
-        status = zentorch_status()
-        workers = state.pool.workers() if state.pool is not None else []
-        if state.draining:
-            word = "draining"
-        elif state.start_error:
-            word = "failed"
-        elif not state.ready:
-            word = "starting"
-        elif not all(w["alive"] for w in workers):
-            word = "degraded"
-        else:
-            word = "ok"
-        body = {
-            "status": word,
-            "zentorch": {k: status[k] for k in ("installed", "version", "ops")},
-            "kernel": status["auto_kernel"],
-            "kernel_reason": status["reason"],
-            "cpu": status["cpu"],
-            "workers": workers,
-            "inflight": state.inflight,
-            "error": state.start_error,
-        }
-        return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
+        return _health(state)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         """Prometheus text format, names prefixed zen_mla_."""
         workers = state.pool.workers() if state.pool is not None else []
         text = state.metrics.render(
-            state.inflight,
+            state.admission.queued,
             sum(w["alive"] for w in workers),
             sum(w["restarts"] for w in workers),
         )
@@ -191,8 +182,42 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
     return app
 
 
-def _admit(state: ServiceState, request: Request) -> int:
-    """Checks made before a byte of the body is read; returns the Content-Length."""
+def _health(state: ServiceState) -> JSONResponse:
+    """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
+    status = zentorch_status()
+    workers = state.pool.workers() if state.pool is not None else []
+    alive = sum(bool(w["alive"]) for w in workers)
+    if state.draining:
+        word = "draining"
+    elif state.start_error:
+        word = "failed"
+    elif not state.ready:
+        word = "starting"
+    elif alive == 0:
+        word = "no_worker"
+    elif alive < len(workers):
+        word = "degraded"
+    else:
+        word = "ok"
+    a = state.admission
+    body = {
+        "status": word,
+        "zentorch": {k: status[k] for k in ("installed", "version", "ops")},
+        "kernel": status["auto_kernel"],
+        "kernel_reason": status["reason"],
+        "cpu": status["cpu"],
+        "workers": workers,
+        "inflight": a.inflight,
+        "uploads": a.uploads,
+        "queued": a.queued,
+        "inflight_bytes": a.inflight_bytes,
+        "error": state.start_error,
+    }
+    return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
+
+
+def _admit(state: ServiceState, request: Request) -> Ticket:
+    """Checks made before a byte of the body is read; the request's share of the admission."""
     s = state.settings
     if state.draining:
         raise ServiceUnavailableError("the service is draining for shutdown", retry_after=5)
@@ -218,22 +243,8 @@ def _admit(state: ServiceState, request: Request) -> int:
         raise BodyTooLargeError(
             f"Content-Length: expected at most {s.max_body_bytes} bytes, got {n}"
         )
-    if state.inflight >= s.max_queue:
-        raise QueueFullError(f"{state.inflight} requests are queued or running", retry_after=1)
-    return n
-
-
-async def _read_body(request: Request, buf: SharedBuffer, n: int) -> None:
-    """The body, straight into shared memory: one copy from each chunk uvicorn hands us."""
-    view, pos = buf.bytes_view, 0
-    async for chunk in request.stream():
-        end = pos + len(chunk)
-        if end > n:
-            raise WireFormatError("body", f"{n} bytes (its Content-Length)", "more")
-        view[pos:end] = chunk
-        pos = end
-    if pos != n:
-        raise WireFormatError("body", f"{n} bytes (its Content-Length)", f"{pos} bytes")
+    state.admission.check_queue()  # a full queue now is a 429 now, not after the upload
+    return state.admission.admit(n)
 
 
 async def _disconnected(request: Request) -> None:
@@ -249,24 +260,26 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
     request_id: str | None = None
     status, bytes_in, bytes_out = 500, 0, 0
     buf: SharedBuffer | None = None
-    admitted = False
+    ticket: Ticket | None = None
     info: dict[str, Any] = {}
     try:
-        n = _admit(state, request)
+        ticket = _admit(state, request)
         pool = state.pool
         assert pool is not None
-        state.inflight += 1
-        admitted = True
-        buf = pool.buffer(n)
-        try:
-            async with asyncio.timeout(s.deadline_s):
-                await _read_body(request, buf, n)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"the body did not arrive within {s.deadline_s} s"
-            ) from None
+        n = int(request.headers["content-length"])
+        loop = asyncio.get_running_loop()
+        buf = await read_body(
+            request.receive,
+            n,
+            pool,
+            min_rate=s.min_body_rate,
+            grace_s=s.body_grace_s,
+            deadline_at=loop.time() - (time.perf_counter() - t0) + s.deadline_s,
+            deadline_s=s.deadline_s,
+        )
         bytes_in = n
         ingest_s = time.perf_counter() - t0
+        ticket.uploaded()
         tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
         request_id = meta.get("request_id")
         options = wire.parse_options(meta)
@@ -281,7 +294,15 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
             )
         kernel = select_kernel(options.kernel, batch.q.dtype, return_lse=options.return_lse)
         info = {"tq": batch.q.shape[0], "tk": batch.k.shape[0], "b": batch.num_requests}
-        job = pool.submit_batch(batch, kernel.name, return_lse=options.return_lse, inputs=buf)
+        ticket.enqueue()
+        submit = functools.partial(
+            pool.submit_batch, batch, kernel.name, return_lse=options.return_lse, inputs=buf
+        )
+        tq, h, _ = batch.q.shape
+        if tq * h * batch.v_head_dim * batch.v.element_size() > SMALL_BYTES:
+            job = await asyncio.to_thread(submit)  # the pool makes (pre-faults) `out` at once
+        else:
+            job = submit()
         waiting = asyncio.wrap_future(job._future)
         gone: asyncio.Future[None] = asyncio.create_task(_disconnected(request))
         remaining = s.deadline_s - (time.perf_counter() - t0)
@@ -299,8 +320,8 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
                 f"the request ran past its {s.deadline_s} s deadline; its work was abandoned"
             )
         result = waiting.result()
-        pool.release(buf)
-        buf = None
+        held, buf = buf, None
+        await give_back(pool, held)
         done_at = time.perf_counter()
         queue_s = (job.started_at or done_at) - job.queued_at
         compute_s = done_at - (job.started_at or done_at)
@@ -324,16 +345,18 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
         return Response(status_code=499)
     except ZenMLAError as exc:
         status = status_of(exc)
-        return problem(exc, request_id)
+        # Answered before the whole body came: the connection closes (lingering, see
+        # protocol.py) rather than reading an unbounded rest of the body to keep it alive.
+        return problem(exc, request_id, None if bytes_in else {"Connection": "close"})
     except Exception as exc:  # a bug of ours: a 500 problem, never a dropped connection
         log.exception("prefill failed")
         status = 500
         return problem(KernelError(f"internal error: {type(exc).__name__}: {exc}"), request_id)
     finally:
-        if admitted:
-            state.inflight -= 1
         if buf is not None and state.pool is not None:
-            state.pool.release(buf)
+            await give_back(state.pool, buf)
+        if ticket is not None:
+            ticket.close()
         total = time.perf_counter() - t0
         state.metrics.observe("total", total)
         state.metrics.count_request(status, bytes_in, bytes_out)

@@ -116,8 +116,9 @@ def test_clients_vanishing_100_times_leak_nothing(server):
         assert c.post("/prefill", content=upload, headers=OCTET).status_code == 200
 
 
-def test_a_client_dribbling_its_body_is_cut_off(tmp_path):
-    with serve(tmp_path, workers=1, deadline_s=2) as server:
+def test_a_client_dribbling_its_body_is_cut_off_at_the_deadline(tmp_path):
+    """The deadline bounds a body too, with the minimum rate off (test_abuse.py has it on)."""
+    with serve(tmp_path, workers=1, deadline_s=2, min_body_rate=0) as server:
         host, port = urlparse(server.url).hostname, urlparse(server.url).port
         with socket.create_connection((host, port), timeout=30) as s:
             s.sendall(

@@ -164,9 +164,11 @@ def test_401_token(tmp_path):
     with serve(tmp_path, workers=1, api_token="s3cret") as server:
         body = body_of(good_tensors())
         with server.client() as c:
-            assert_problem(c.post("/prefill", content=body, headers=OCTET), 401)
-            bad = OCTET | {"Authorization": "Bearer wrong"}
-            assert_problem(c.post("/prefill", content=body, headers=bad), 401)
+            for auth in (None, "Bearer wrong", "Bearer", "Basic czNjcmV0"):
+                headers = OCTET | ({"Authorization": auth} if auth else {})
+                r = c.post("/prefill", content=body, headers=headers)
+                assert_problem(r, 401)
+                assert r.headers["www-authenticate"].startswith("Bearer"), auth
             good = OCTET | {"Authorization": "Bearer s3cret"}
             assert c.post("/prefill", content=body, headers=good).status_code == 200
             assert c.get("/health").status_code == 200  # health stays open
