@@ -28,7 +28,7 @@ import threading
 import types
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, cast, overload
 
 import torch
@@ -68,7 +68,7 @@ class RemoteSettings:
     """
 
     urls: tuple[str, ...] = (DEFAULT_URL,)
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # kept out of logs
     health_timeout_s: float = 3.0
     max_concurrency: int = DEFAULT_CONCURRENCY
 
