@@ -179,3 +179,17 @@ def test_elsewhere_it_stands_alone():
     vllm.backend_class.cache_clear()
     assert vllm.ZenMLARemotePrefillBackend is RemotePrefillBackend
     assert RemotePrefillBackend.__mro__ == (RemotePrefillBackend, object)
+
+
+def test_register_names_the_class_as_vllms_custom_prefill_backend(monkeypatch):
+    """Against a stand-in of vLLM's registry module: what `register()` hands it, and that the
+    path it hands resolves (vLLM resolves it with import_module + getattr)."""
+    calls = []
+    registry = types.ModuleType(vllm.VLLM_REGISTRY)
+    registry.MLAPrefillBackendEnum = types.SimpleNamespace(CUSTOM="CUSTOM")  # type: ignore[attr-defined]
+    registry.register_mla_prefill_backend = lambda *args: calls.append(args)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, vllm.VLLM_REGISTRY, registry)
+    vllm.register()
+    assert calls == [("CUSTOM", "zen_mla.vllm.ZenMLARemotePrefillBackend")]
+    module, _, name = calls[0][1].rpartition(".")
+    assert getattr(sys.modules[module], name) is vllm.backend_class()
