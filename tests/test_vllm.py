@@ -30,6 +30,7 @@ def nowhere() -> RemoteSettings:
     return RemoteSettings(urls=(f"http://127.0.0.1:{port}",), health_timeout_s=1.0)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: 1.5-3.5 s here
 def test_importing_the_module_imports_no_vllm():
     code = "import sys, zen_mla.vllm; print(any(m.split('.')[0] == 'vllm' for m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
