@@ -290,6 +290,32 @@ def test_a_stopped_busy_worker_is_reported_and_left_to_resume():
         print(f"stopped worker reported after {noticed:.2f} s")
 
 
+@pytest.mark.slow
+def test_a_stopped_idle_worker_is_replaced():
+    """Idle, it holds no work: silent for ping_timeout, it is killed and replaced."""
+    config = PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)
+    with WorkerPool(config) as pool:
+        worker = pool.workers()[0]
+        os.kill(worker["pid"], signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            while pool.workers()[0]["alive"]:
+                assert time.monotonic() - stopped < 10, pool.workers()
+                time.sleep(0.05)
+            assert time.monotonic() - stopped >= config.ping_timeout
+            _wait_all_alive(pool)
+            took = time.monotonic() - stopped
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker["pid"], signal.SIGCONT)
+        now = pool.workers()[0]
+        assert now["pid"] != worker["pid"] and now["restarts"] == 1, now
+        assert wait_gone(worker["pid"], 5) is not None
+        q, k, v, q_cu, _ = make_batch(BatchSpec([20]), (2, 64, 64), torch.float32)
+        pool.run(q, k, v, q_cu, kernel="reference", timeout=60).release()
+        print(f"stopped idle worker replaced within {took:.2f} s")
+
+
 # -- orphans ---------------------------------------------------------------------------------
 
 ORPHAN_SCRIPT = """
