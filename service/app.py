@@ -58,6 +58,9 @@ class ServiceState:
     ready: bool = False
     draining: bool = False
     start_error: str | None = None
+    # zentorch_status(), once its probe (seconds, in a thread at start) is done; /health reads
+    # this instead of calling it, which would block the event loop on the probe meanwhile
+    zentorch: dict[str, Any] | None = None
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
 
@@ -79,6 +82,8 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
     """
     settings = settings or Settings()
     state = ServiceState(settings, pool=pool, ready=pool is not None)
+    if pool is not None:
+        state.zentorch = zentorch_status()  # probed already when the pool was made
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,7 +93,7 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
 
         async def start() -> None:
             try:
-                await asyncio.to_thread(zentorch_status)  # probe once, off the event loop
+                state.zentorch = await asyncio.to_thread(zentorch_status)  # off the event loop
                 pool = WorkerPool(PoolConfig(workers=settings.worker_count, smt=settings.smt))
                 state.pool = pool
                 await asyncio.to_thread(pool.start)
@@ -134,6 +139,7 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
         workers = state.pool.workers() if state.pool is not None else []
         text = state.metrics.render(
             state.admission.queued,
+            state.admission.uploads,
             sum(w["alive"] for w in workers),
             sum(w["restarts"] for w in workers),
         )
@@ -184,7 +190,7 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
 
 def _health(state: ServiceState) -> JSONResponse:
     """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
-    status = zentorch_status()
+    status = state.zentorch or {}
     workers = state.pool.workers() if state.pool is not None else []
     alive = sum(bool(w["alive"]) for w in workers)
     if state.draining:
@@ -202,10 +208,10 @@ def _health(state: ServiceState) -> JSONResponse:
     a = state.admission
     body = {
         "status": word,
-        "zentorch": {k: status[k] for k in ("installed", "version", "ops")},
-        "kernel": status["auto_kernel"],
-        "kernel_reason": status["reason"],
-        "cpu": status["cpu"],
+        "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
+        "kernel": status.get("auto_kernel"),
+        "kernel_reason": status.get("reason"),
+        "cpu": status.get("cpu"),
         "workers": workers,
         "inflight": a.inflight,
         "uploads": a.uploads,

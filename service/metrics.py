@@ -41,7 +41,9 @@ class Metrics:
             self.tokens["q"] += q
             self.tokens["kv"] += kv
 
-    def render(self, queue_depth: int, workers_alive: int, worker_restarts: int) -> str:
+    def render(
+        self, queue_depth: int, uploads: int, workers_alive: int, worker_restarts: int
+    ) -> str:
         out = []
 
         def family(name: str, kind: str, help_: str) -> None:
@@ -69,8 +71,10 @@ class Metrics:
             family("tokens_total", "counter", "Query and key/value tokens computed.")
             for kind in ("q", "kv"):
                 out.append(f'zen_mla_tokens_total{{kind="{kind}"}} {self.tokens[kind]}')
-        family("queue_depth", "gauge", "Requests admitted and not yet answered.")
+        family("queue_depth", "gauge", "Requests whose body is in, queued or computing.")
         out.append(f"zen_mla_queue_depth {queue_depth}")
+        family("uploads", "gauge", "Request bodies being read.")
+        out.append(f"zen_mla_uploads {uploads}")
         family("workers_alive", "gauge", "Worker processes alive.")
         out.append(f"zen_mla_workers_alive {workers_alive}")
         family("worker_restarts_total", "counter", "Worker processes replaced after dying.")

@@ -316,6 +316,7 @@ def test_metrics_and_openapi(server):
         "zen_mla_requests_total",
         "zen_mla_request_seconds_bucket",
         "zen_mla_queue_depth",
+        "zen_mla_uploads",
         "zen_mla_workers_alive",
         "zen_mla_received_bytes_total",
         "zen_mla_tokens_total",
