@@ -126,7 +126,11 @@ class _Guarded(asyncio.Protocol):
 
     def _header_timeout(self) -> None:
         self._timer = None
-        if self.cycle is self._armed_for:  # no request's headers completed since arming
+        cycle: Any = self.cycle
+        # No request's headers completed since arming, and none is being answered (a pipelined
+        # one may have started when the timer was armed: its answer re-arms the timer).
+        answering = cycle is not None and not cycle.response_complete
+        if cycle is self._armed_for and not answering:
             t = self.limits.header_timeout_s
             self.refuse(RequestTimeoutError(f"the request headers did not arrive within {t} s"))
 

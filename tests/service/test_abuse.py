@@ -247,11 +247,6 @@ def test_slow_uploads_do_not_lock_out_others(tmp_path):
             assert "bytes/s" in assert_problem(answer, 408)["detail"]
             assert grace < lived < grace + 5, lived
         assert server.health()["inflight"] == 0
-        cut = sorted(t for _, t in answers.values())
-        print(
-            f"\nbeside 8 slow uploads: 200 in {waited:.3f} s; "
-            f"408 after {cut[0]:.1f}-{cut[-1]:.1f} s"
-        )
 
 
 @pytest.mark.slow
@@ -284,10 +279,6 @@ def test_announced_bytes_that_do_not_come_commit_no_memory(tmp_path):
         assert health_s < 0.5
         for answer in answers:
             assert_problem(answer, 408)
-        print(
-            f"\nfour 1 GiB announcements: server RSS +{grown / MIB:.1f} MiB, "
-            f"/health in {health_s * 1e3:.1f} ms"
-        )
 
 
 # -- token, health ---------------------------------------------------------------------------
@@ -405,3 +396,22 @@ def test_a_503_while_draining_reaches_a_connection_close_client(tmp_path):
         t.join(120)
         assert results["slow"].status_code == 200
         assert server.process.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_the_header_timeout_spares_a_pipelined_request_being_answered(tmp_path):
+    """A second request pipelined behind a first starts when the first is answered; computing
+    it for longer than the header timeout is not a late header."""
+    slow = body_of(slow_tensors(6000), {"kernel": "reference", "causal": "false"})
+    with (
+        serve(tmp_path, workers=1, header_timeout_s=1.0) as server,
+        socket.create_connection(address(server), timeout=10) as s,
+    ):
+        s.sendall(
+            b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+            + prefill_head(len(slow), b"Connection: close\r\n")
+            + slow
+        )
+        answer = read_answer(s, 60)
+    assert b"HTTP/1.1 408" not in answer
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer[:500]
