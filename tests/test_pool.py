@@ -127,9 +127,9 @@ def test_abandoned_job_frees_its_workers(pool):
     big = torch.randn(4000, 8, 192).bfloat16()
     cu = torch.tensor([0, 4000])
     job = pool.submit(big, big, big[..., :128], cu, kernel="reference")
-    while not any(w.current is not None for w in pool._workers):
+    while not any(w.current is not None for w in pool._dispatchers):
         time.sleep(0.01)
-    busy = sum(w.current is not None for w in pool._workers)
+    busy = sum(w.current is not None for w in pool._dispatchers)
     restarts = sum(w["restarts"] for w in pool.workers())
     t0 = time.monotonic()
     job.cancel()
@@ -139,7 +139,7 @@ def test_abandoned_job_frees_its_workers(pool):
         time.sleep(0.05)
     _wait_all_alive(pool)
     assert time.monotonic() - t0 < 30
-    assert all(w.current is None for w in pool._workers)
+    assert all(w.current is None for w in pool._dispatchers)
     small = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
     pool.run(*small, timeout=60).release()  # the pool serves again
 

@@ -187,17 +187,18 @@ def test_a_replacement_is_retried_until_descriptors_return(pool, caplog):
 
 
 def test_a_failed_send_fails_the_work_not_the_worker(pool, monkeypatch):
+    from zen_mla.pool._messages import RunTask
     from zen_mla.pool._process import SendFailedError
 
     q, k, v, q_cu, _ = make_batch(BatchSpec([40, 30]), (2, 64, 64), torch.float32)
     before = _identities(pool)
     sends = []
-    for w in pool._workers:
+    for w in pool._dispatchers:
         real = w.proc.send
 
         def failing(msg, fds=(), real=real):
-            if msg[0] == "run":
-                sends.append(msg[1])
+            if isinstance(msg, RunTask):
+                sends.append(msg.task_id)
                 raise SendFailedError("No buffer space available (errno 105)")
             return real(msg, fds)
 
@@ -214,19 +215,19 @@ def test_a_failed_send_fails_the_work_not_the_worker(pool, monkeypatch):
 
 def test_the_dispatcher_survives_its_own_errors(pool, monkeypatch):
     q, k, v, q_cu, _ = make_batch(BatchSpec([40, 30]), (2, 64, 64), torch.float32)
-    real = pool._run_on
     calls = []
+    for w in pool._dispatchers:
 
-    def broken(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("a bug")
-        return real(*args)
+        def broken(*args, real=w._run_on):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real(*args)
 
-    monkeypatch.setattr(pool, "_run_on", broken)
+        monkeypatch.setattr(w, "_run_on", broken)
     with pytest.raises(zen_mla.KernelError, match="a bug"):
         pool.run(q, k, v, q_cu, kernel="reference", timeout=30)
-    assert all(w.thread is not None and w.thread.is_alive() for w in pool._workers)
+    assert all(w.thread is not None and w.thread.is_alive() for w in pool._dispatchers)
     pool.run(q, k, v, q_cu, kernel="reference", timeout=30).release()  # served again
 
 

@@ -100,7 +100,7 @@ class PrefillJob:
         task abandons the work too."""
         try:
             async with asyncio.timeout(timeout):
-                return self._wrap(await asyncio.wrap_future(self._job._future))
+                return self._wrap(await asyncio.wrap_future(self._job.future))
         except TimeoutError:
             self._job.cancel()
             raise DeadlineExceededError(

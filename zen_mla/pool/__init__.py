@@ -1,6 +1,33 @@
-"""Worker processes pinned to CCXs, with tensors crossing through shared memory."""
+"""Worker processes pinned to CCXs, with tensors crossing through shared memory.
 
-from ._shm import SharedBuffer
-from ._supervisor import PoolConfig, PoolJob, PoolResult, WorkerPool
+Importing the package does not import torch: a worker process imports it (its entry point is
+`_worker.main`) before it has set its CPU affinity and thread environment. The names below load
+on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._config import PoolConfig
+    from ._job import PoolJob, PoolResult
+    from ._shm import SharedBuffer
+    from ._supervisor import WorkerPool
 
 __all__ = ["PoolConfig", "PoolJob", "PoolResult", "SharedBuffer", "WorkerPool"]
+
+_LAZY = {
+    "PoolConfig": "._config",
+    "PoolJob": "._job",
+    "PoolResult": "._job",
+    "SharedBuffer": "._shm",
+    "WorkerPool": "._supervisor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,11 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 from .._errors import KernelError
 from ..topology import WorkerSlot
 from . import _worker
+from ._messages import Ready, Stop, ToSupervisor, ToWorker
 
 __all__ = ["SendFailedError", "WorkerGoneError", "WorkerProcess", "start_until_ready"]
 
@@ -61,9 +61,12 @@ class WorkerProcess:
     def __init__(self, slot: WorkerSlot, warm_zentorch: bool, beat_interval: float) -> None:
         parent, child = _spawn.Pipe(duplex=True)
         try:
-            # The child's OpenMP runtime reads its environment when torch loads, which can
-            # happen before our entry point runs (spawn re-imports the parent's __main__): hand
-            # it the thread counts through the environment it is started with.
+            # spawn runs the parent's __main__ module again in the child (as __mp_main__)
+            # before `_worker.main`: a script that imports torch at its top (bench/pool.py,
+            # most users' scripts) loads it there, and OpenMP reads OMP_NUM_THREADS when it
+            # loads, before `_worker.main` could set it. So the child starts with the thread
+            # counts in its environment. (The entry point's own import chain loads no torch:
+            # tests/test_pool_imports.py.) _env_lock: os.environ is one per process.
             with _env_lock:
                 saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
                 os.environ.update({v: str(slot.threads) for v in saved})
@@ -105,17 +108,26 @@ class WorkerProcess:
     def is_alive(self) -> bool:
         return not self._closed and self.process.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def recv(self) -> ToSupervisor:
+        """The worker's next message (blocks); EOFError or OSError once its end is closed."""
+        msg: ToSupervisor = self.conn.recv()
+        return msg
+
     def wait_ready(self, deadline: float, cancelled: threading.Event) -> None:
-        """Wait for the worker's "ready" (it has loaded torch); KernelError if it exits, says
+        """Wait for the worker's `Ready` (it has loaded torch); KernelError if it exits, says
         anything else, or is not ready by `deadline` (or `cancelled` is set)."""
         while not cancelled.is_set() and time.monotonic() < deadline:
             ready = wait([self.conn, self.sentinel], min(0.2, deadline - time.monotonic()))
             if self.conn in ready:
                 try:
-                    msg = self.conn.recv()
+                    msg: ToSupervisor | None = self.recv()
                 except (EOFError, OSError):
                     msg = None
-                if msg and msg[0] == "ready":
+                if isinstance(msg, Ready):
                     return
                 break
             if self.sentinel in ready:
@@ -125,7 +137,7 @@ class WorkerProcess:
             f" (exit code {self.process.exitcode})"
         )
 
-    def send(self, msg: tuple[Any, ...], fds: Sequence[int] = ()) -> None:
+    def send(self, msg: ToWorker, fds: Sequence[int] = ()) -> None:
         """Send `msg` with `fds` attached. SendFailedError: nothing went out; WorkerGoneError:
         the worker is gone or the pipe is out of step (part of a message went out)."""
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -158,7 +170,7 @@ class WorkerProcess:
             return
         if self.process.is_alive():
             with contextlib.suppress(SendFailedError, WorkerGoneError):
-                self.send(("stop",))
+                self.send(Stop())
             self.process.join(timeout=2)
         if self.process.is_alive():
             self.process.kill()

@@ -16,29 +16,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
 
 from .._ragged import visible_pairs
+from ._messages import Piece
 
 __all__ = ["Piece", "schedule"]
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Requests `[r0, r1)`, heads `[h0, h1)`. Token ranges are absolute; `q_cu`/`kv_cu` are the
-    requests' offsets relative to `q_lo`/`kv_lo`. `cost` in head x (query, key) pairs."""
-
-    r0: int
-    r1: int
-    h0: int
-    h1: int
-    q_lo: int
-    q_hi: int
-    kv_lo: int
-    kv_hi: int
-    q_cu: tuple[int, ...]
-    kv_cu: tuple[int, ...]
-    cost: int
 
 
 def _piece(

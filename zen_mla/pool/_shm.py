@@ -2,7 +2,8 @@
 
 A memfd has no name in /dev/shm, so nothing can leak there: its pages are freed when the last
 mapping and the last descriptor are gone, also when a worker is killed mid-request. Workers get
-the descriptor over their pipe (SCM_RIGHTS) with each task.
+the descriptor over their pipe (SCM_RIGHTS) with a task that names a buffer they have not
+mapped, and keep it mapped until told to forget it (`WorkerMappings`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from .._errors import ServiceUnavailableError
+from ._messages import TensorRef
 
-__all__ = ["BufferCache", "SharedBuffer", "TensorRef", "tensor_ref", "view"]
+__all__ = ["BufferCache", "SharedBuffer", "WorkerMappings", "tensor_ref", "view"]
 
 ALIGN = 64  # cache-line aligned tensor starts
 _ids = itertools.count(1)
@@ -76,17 +77,6 @@ def _free(fd: int, buf_id: int, on_free: Callable[[int], None] | None) -> None:
         on_free(buf_id)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """Where a tensor lies in a shared buffer, in a form a pipe carries (no tensor bytes)."""
-
-    buffer: int  # SharedBuffer.id
-    offset: int  # bytes from the buffer start to element 0
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str  # "bfloat16", ...
-
-
 def tensor_ref(buf: SharedBuffer, t: torch.Tensor) -> TensorRef:
     # An empty tensor's data_ptr() is 0 wherever it lies: name offset 0, where any view of no
     # elements fits.
@@ -132,6 +122,21 @@ class BufferCache:
                 f"no shared memory for {nbytes} bytes: {exc.strerror or exc}", retry_after=1.0
             ) from exc
 
+    def stage(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[SharedBuffer, tuple[torch.Tensor, ...], int]:
+        """Copies of `tensors`, one after another (cache-line aligned) in one buffer from the
+        cache; the buffer, the copies and the bytes they take."""
+        sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
+        buf = self.get(sum(sizes))
+        offset, staged = 0, []
+        for t, size in zip(tensors, sizes, strict=True):
+            dst = buf.tensor(offset, tuple(t.shape), t.dtype)
+            dst.copy_(t)
+            staged.append(dst)
+            offset += size
+        return buf, tuple(staged), sum(sizes)
+
     def put(self, buf: SharedBuffer) -> None:
         with self._lock:
             self._free.append(buf)
@@ -141,3 +146,51 @@ class BufferCache:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+class WorkerMappings:
+    """Which buffers each worker process has mapped, and which of those were freed here since:
+    a worker is sent a buffer's descriptor only with the first task naming it, and is told to
+    unmap a freed one with its next task. `_lock` guards `_mapped` and `_freed`; the
+    dispatcher threads and the buffers' finalizers (any thread) call in."""
+
+    def __init__(self, workers: Iterable[int]) -> None:
+        self._mapped: dict[int, set[int]] = {w: set() for w in workers}  # worker id -> buffer ids
+        self._freed: set[int] = set()  # freed here, still mapped by some worker
+        self._lock = threading.Lock()
+
+    def freed(self, buf_id: int) -> None:
+        """`buf_id` was freed in this process (a `SharedBuffer`'s `on_free`)."""
+        with self._lock:
+            if any(buf_id in m for m in self._mapped.values()):
+                self._freed.add(buf_id)
+
+    def plan(
+        self, worker: int, buffers: Sequence[SharedBuffer]
+    ) -> tuple[tuple[int, ...], list[SharedBuffer]]:
+        """What `worker`'s next task carries: buffer ids to forget, buffers to send."""
+        with self._lock:
+            mapped = self._mapped[worker]
+            return tuple(sorted(mapped & self._freed)), [b for b in buffers if b.id not in mapped]
+
+    def sent(self, worker: int, forget: Iterable[int], fresh: Iterable[int]) -> None:
+        """A task went out to `worker` with these forgets and fresh buffers."""
+        with self._lock:
+            mapped = self._mapped[worker]
+            mapped.difference_update(forget)
+            mapped.update(fresh)
+            self._freed -= {i for i in forget if not self._mapped_anywhere(i)}
+
+    def unmapped(self, worker: int, buf_ids: Iterable[int]) -> None:
+        """`worker` dropped these mappings (a failed task leaves none of its buffers mapped)."""
+        with self._lock:
+            self._mapped[worker].difference_update(buf_ids)
+
+    def lost(self, worker: int) -> None:
+        """`worker`'s process is gone: it maps nothing."""
+        with self._lock:
+            self._mapped[worker].clear()
+            self._freed = {i for i in self._freed if self._mapped_anywhere(i)}
+
+    def _mapped_anywhere(self, buf_id: int) -> bool:
+        return any(buf_id in m for m in self._mapped.values())

@@ -1,7 +1,8 @@
 """The worker process: pinned to its CPUs, it runs attention pieces on shared-memory tensors.
 
-This module imports nothing heavy at the top: the CPU affinity and thread environment must be
-in place before torch (and its OpenMP runtime) loads.
+Unpickling the spawn target imports this module, `zen_mla` and `zen_mla.pool` (both lazy) and
+`_messages`, none of which loads torch: `main` sets the CPU affinity and thread environment
+first, then imports torch (tests/test_pool_imports.py checks the chain).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
+
+from ._messages import Beat, Done, Failed, Ready, RunTask, Stop, TaskSpec, ToSupervisor
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: descriptors one message may carry (a task names two buffers: its inputs and its outputs)
@@ -49,7 +52,7 @@ class _Sender:
         self.conn = conn
         self.lock = threading.Lock()
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: ToSupervisor) -> None:
         with self.lock:
             self.conn.send(msg)
 
@@ -65,14 +68,14 @@ def _watchdog(parent_pid: int, sender: _Sender, ready: threading.Event, interval
         now = time.monotonic()
         if ready.is_set() and now >= next_beat:
             try:
-                sender.send(("beat", beats))
+                sender.send(Beat(beats))
             except OSError:
                 os._exit(1)  # the supervisor closed its end
             beats, next_beat = beats + 1, now + interval
         time.sleep(WATCH_INTERVAL)
 
 
-def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+def _recv(sock: socket.socket) -> tuple[RunTask | Stop, list[int]]:
     """One message as `WorkerProcess.send` frames it (`Connection`'s framing) and the
     descriptors that came with its first bytes."""
     head, ancillary, flags, _ = sock.recvmsg(4, socket.CMSG_SPACE(MAX_FDS * 4))
@@ -86,7 +89,7 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
         raise EOFError
     head += _recv_exact(sock, 4 - len(head))
     (n,) = struct.unpack("!i", head)
-    msg = pickle.loads(_recv_exact(sock, n))
+    msg: RunTask | Stop = pickle.loads(_recv_exact(sock, n))
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
@@ -113,14 +116,13 @@ def main(
     warm_zentorch: bool,
     beat_interval: float,
 ) -> None:
-    """Entry point of a spawned worker. Messages (tuples, never tensor bytes):
+    """Entry point of a spawned worker. Messages (`_messages`, never tensor bytes):
 
-    in:  ("run", task_id, spec) with one descriptor attached per spec["buffers"] entry marked
-         sent, in order; ("stop",). spec["forget"]: buffers to unmap.
-    out: ("ready", pid); ("done", task_id); ("error", task_id, type name, message);
-         ("beat", n) every `beat_interval` s from the watchdog thread.
+    in:  `RunTask` with one descriptor attached per `spec.buffers` entry marked sent, in order;
+         `Stop`. `spec.forget`: buffers to unmap.
+    out: `Ready`; `Done`; `Failed`; `Beat` every `beat_interval` s from the watchdog thread.
 
-    After an "error" the worker keeps none of the task's buffers mapped; the supervisor sends
+    After `Failed` the worker keeps none of the task's buffers mapped; the supervisor sends
     their descriptors again when it next needs them.
     """
     _die_with_parent(parent_pid)
@@ -139,7 +141,7 @@ def main(
         from zen_mla._status import zentorch_op
 
         zentorch_op()  # import zentorch now, not on the first request
-    sender.send(("ready", os.getpid()))
+    sender.send(Ready(os.getpid()))
     ready.set()
     # a socket object over the pipe's descriptor, to receive descriptors (recvmsg)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
@@ -151,26 +153,26 @@ def main(
             msg, fds = _recv(sock)
         except (EOFError, OSError):
             return  # the supervisor is gone
-        if msg[0] == "stop":
-            return
-        _, task_id, spec = msg
-        for buf_id in spec["forget"]:
+        if not isinstance(msg, RunTask):
+            return  # Stop
+        spec = msg.spec
+        for buf_id in spec.forget:
             maps.pop(buf_id, None)
         try:
-            fresh = [(buf_id, nbytes) for buf_id, nbytes, sent in spec["buffers"] if sent]
+            fresh = [b for b in spec.buffers if b.sent]
             if len(fds) != len(fresh):
                 raise OSError(f"{len(fresh)} shared buffers sent, {len(fds)} arrived")
-            for buf_id, nbytes in fresh:
-                maps[buf_id] = _map(fds.pop(0), nbytes)  # _map owns the descriptor
+            for b in fresh:
+                maps[b.id] = _map(fds.pop(0), b.nbytes)  # _map owns the descriptor
             _run(spec, maps)
         except Exception as exc:  # reported, never fatal: the next task gets a clean slate
             for fd in fds:
                 os.close(fd)
-            for buf_id, _nbytes, _sent in spec["buffers"]:
-                maps.pop(buf_id, None)
-            sender.send(("error", task_id, type(exc).__name__, str(exc)))
+            for b in spec.buffers:
+                maps.pop(b.id, None)
+            sender.send(Failed(msg.task_id, type(exc).__name__, str(exc)))
         else:
-            sender.send(("done", task_id))
+            sender.send(Done(msg.task_id))
 
 
 def _map(fd: int, nbytes: int) -> Any:
@@ -184,23 +186,21 @@ def _map(fd: int, nbytes: int) -> Any:
     return torch.frombuffer(m, dtype=torch.uint8)
 
 
-def _run(spec: dict[str, Any], whole: dict[int, Any]) -> None:
+def _run(spec: TaskSpec, whole: dict[int, Any]) -> None:
     from zen_mla._attention import attend
     from zen_mla._ragged import RaggedBatch
     from zen_mla.kernels import KERNELS
 
     from ._shm import view
 
-    q, k, v, out = (
-        view(whole[r.buffer], r) for r in (spec["q"], spec["k"], spec["v"], spec["out"])
-    )
-    lse = view(whole[spec["lse"].buffer], spec["lse"]) if spec["lse"] is not None else None
-    kernel = KERNELS[spec["kernel"]]
-    for piece in spec["pieces"]:
+    q, k, v, out = (view(whole[r.buffer], r) for r in (spec.q, spec.k, spec.v, spec.out))
+    lse = view(whole[spec.lse.buffer], spec.lse) if spec.lse is not None else None
+    kernel = KERNELS[spec.kernel]
+    for piece in spec.pieces:
         h = slice(piece.h0, piece.h1)
         qs, ks = slice(piece.q_lo, piece.q_hi), slice(piece.kv_lo, piece.kv_hi)
         batch = RaggedBatch(
-            q[qs, h], k[ks, h], v[ks, h], piece.q_cu, piece.kv_cu, spec["causal"], spec["scale"]
+            q[qs, h], k[ks, h], v[ks, h], piece.q_cu, piece.kv_cu, spec.causal, spec.scale
         )
         attend(
             batch,

@@ -1,0 +1,294 @@
+"""One worker as the pool sees it: its process, its queue of tasks and the thread that feeds it.
+
+The dispatcher thread sends the worker one task at a time and waits for its answer, its death or
+its silence (workers send a heartbeat from a thread of their own); between tasks it reads the
+heartbeats. It replaces a worker that dies, retrying with backoff until a replacement starts, and
+hands the work that was lost with it back to the pool through a callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import wait
+from typing import Any
+
+from .._errors import KernelError, ServiceUnavailableError
+from ..topology import WorkerSlot
+from ._config import PoolConfig
+from ._job import PoolJob, TaskQueue, _Task
+from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
+from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
+from ._shm import WorkerMappings
+
+__all__ = ["Dispatcher"]
+
+log = logging.getLogger("zen_mla.pool")
+
+
+class Dispatcher:
+    """One CCX's worker. Once `start()`ed, its dispatcher thread is the only one to replace
+    `proc`, to run tasks and to touch `heard_at`; `lock` guards `proc`, `state`, `current` and
+    `restarts` against readers in other threads (`info()`, `cancel()`, `stop_dispatching()`,
+    `stop()`). The queue locks itself.
+
+    `lost(task, self)` is called with a task the worker died under (or could not be given
+    because the pool closed); `stranded(self)` when the worker is being replaced, to move the
+    tasks still queued on it (`queue.take_all()`) elsewhere.
+    """
+
+    def __init__(
+        self,
+        slot: WorkerSlot,
+        config: PoolConfig,
+        spawn: Callable[[WorkerSlot], WorkerProcess],
+        mappings: WorkerMappings,
+        closed: threading.Event,
+        lost: Callable[[_Task, Dispatcher], None],
+        stranded: Callable[[Dispatcher], None],
+    ) -> None:
+        self.slot = slot
+        self._config = config
+        self._spawn = spawn
+        self._mappings = mappings
+        self._closed = closed  # the pool is closing: no more replacements
+        self._lost = lost
+        self._stranded = stranded
+        self.proc: WorkerProcess | None = None
+        self.state = "starting"  # starting | idle | busy | stuck | stopped
+        self.queue = TaskQueue()
+        self.current: _Task | None = None
+        self.restarts = 0
+        self.heard_at = 0.0  # time.monotonic() of the process's last message
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """Can take work now (read without the lock: a hint for placing work)."""
+        return self.state in ("idle", "busy")
+
+    def _set(self, state: str, proc: WorkerProcess | None = None) -> None:
+        with self.lock:
+            self.state = state
+            if proc is not None:
+                self.proc = proc
+
+    # -- life cycle (called by the pool) -----------------------------------------------------
+
+    def spawn(self) -> None:
+        """Start this worker's first process (not waiting for it to be ready)."""
+        self._set("starting", self._spawn(self.slot))
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        self.proc.wait_ready(deadline, self._closed)
+        self.heard_at = time.monotonic()
+        self._set("idle")
+
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"zen-mla-worker-{self.slot.id}"
+        )
+        self.thread.start()
+
+    def stop_dispatching(self) -> None:
+        """Let the thread finish once the queue is drained; kill a process busy with a task."""
+        self.queue.put(None)
+        with self.lock:
+            if self.current is not None and self.proc is not None:
+                self.proc.kill()
+
+    def stop(self) -> None:
+        """Wait (5 s at most) for the thread, then stop the process."""
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        with self.lock:
+            proc, self.proc, self.state = self.proc, None, "stopped"
+        if proc is not None:
+            proc.stop()
+
+    def cancel(self, job: PoolJob) -> None:
+        with self.lock:
+            task, proc = self.current, self.proc
+            if task is not None and task.job is job and proc is not None:
+                proc.kill()  # the thread sees the death and replaces the worker
+
+    def info(self) -> dict[str, Any]:
+        """As `WorkerPool.workers()` describes."""
+        with self.lock:
+            proc, state, restarts = self.proc, self.state, self.restarts
+            running = proc is not None and proc.is_alive()
+        if state in ("idle", "busy", "stuck") and not running:
+            state = "dead"
+        return {
+            "id": self.slot.id,
+            "cpus": list(self.slot.cpus),
+            "threads": self.slot.threads,
+            "alive": state in ("idle", "busy"),
+            "state": state,
+            "pid": proc.pid if proc is not None else None,
+            "restarts": restarts,
+        }
+
+    # -- the dispatcher thread ---------------------------------------------------------------
+
+    def _replace(self, why: str) -> None:
+        """Kill the process and start another, retrying with backoff (0.1 s doubling to 5 s)
+        until one starts or the pool closes; `stranded` moves the work queued here meanwhile."""
+        with self.lock:
+            old, self.proc, self.state = self.proc, None, "starting"
+            self.restarts += 1
+        log.warning(
+            "worker %d (pid %s) %s; replacing it", self.slot.id, old.pid if old else None, why
+        )
+        if old is not None:
+            old.kill()
+            old.stop()
+        self._mappings.lost(self.slot.id)
+        self._stranded(self)
+        self._respawn()
+
+    def _respawn(self) -> None:
+        """Start a process for this worker, which has none (retrying until one is ready or the
+        pool closes)."""
+        proc = start_until_ready(
+            lambda: self._spawn(self.slot),
+            self._config.start_timeout,
+            self._closed,
+            f"worker {self.slot.id}",
+        )
+        if proc is not None:
+            self.heard_at = time.monotonic()
+            self._set("idle", proc)
+            log.warning("worker %d replaced (pid %s)", self.slot.id, proc.pid)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._dispatch_one():
+                    return
+            except Exception as exc:  # a bug of ours: fail the task at hand, keep dispatching
+                log.exception("worker %d: dispatcher error", self.slot.id)
+                with self.lock:
+                    task, self.current = self.current, None
+                if task is not None:
+                    task.job._fail(
+                        KernelError(f"worker {self.slot.id}: {type(exc).__name__}: {exc}")
+                    )
+                if self.state == "busy":
+                    self._set("idle")
+                self._closed.wait(0.1)  # no hot loop should the error repeat
+
+    def _dispatch_one(self) -> bool:
+        """Run one task from the queue, or check on the idle worker; False: stop dispatching."""
+        try:
+            task = self.queue.get(timeout=self._config.ping_interval)
+        except queue.Empty:
+            if not self._closed.is_set():
+                self._check_idle()
+            return True
+        if task is None:
+            return False
+        if task.job.done():
+            return True  # cancelled or failed while queued
+        if self.proc is None and not self._closed.is_set():
+            self._respawn()  # a replacement an error of ours interrupted
+        if self.proc is None:  # the pool closed before a replacement started
+            self._lost(task, self)
+            return True
+        with self.lock:
+            self.current = task  # left set if _run_on raises: _loop fails it
+        outcome = self._run_on(self.proc, task)
+        with self.lock:
+            self.current = None
+        if isinstance(outcome, str):  # the process died under the task, or the pipe broke
+            self._lost(task, self)  # first, so that the work need not wait for the respawn
+            if not self._closed.is_set():
+                self._replace(outcome)
+        elif isinstance(outcome, SendFailedError):
+            task.job._fail(
+                ServiceUnavailableError(
+                    f"could not hand work to worker {self.slot.id}: {outcome}", retry_after=1.0
+                )
+            )
+        elif isinstance(outcome, Done):
+            task.job._piece_done()
+        else:
+            task.job._fail(
+                KernelError(f"worker {self.slot.id}: {outcome.error_type}: {outcome.message}")
+            )
+        return True
+
+    def _check_idle(self) -> None:
+        """Read the heartbeats of an idle worker; replace it if it died or fell silent (it holds
+        no work, so nothing is lost)."""
+        proc = self.proc
+        if proc is None:
+            self._respawn()  # a replacement an error of ours interrupted
+            return
+        try:
+            while proc.conn.poll(0):
+                proc.recv()
+                self.heard_at = time.monotonic()
+        except (EOFError, OSError):
+            self._replace("closed its pipe")
+            return
+        if not proc.is_alive():
+            self._replace(f"exited (code {proc.exitcode})")
+        elif time.monotonic() - self.heard_at > self._config.ping_timeout:
+            self._replace(f"was silent for {self._config.ping_timeout} s while idle")
+
+    def _run_on(self, proc: WorkerProcess, task: _Task) -> Done | Failed | SendFailedError | str:
+        """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
+        process is lost."""
+        if task.job.started_at is None:
+            task.job.started_at = time.perf_counter()
+        forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
+        spec = replace(
+            task.spec,
+            buffers=tuple(BufferUse(b.id, b.nbytes, b in fresh) for b in task.buffers),
+            forget=forget,
+        )
+        try:
+            proc.send(RunTask(task.id, spec), [b.fd for b in fresh])
+        except SendFailedError as exc:
+            log.warning("worker %d: could not send a task: %s", self.slot.id, exc)
+            return exc
+        except WorkerGoneError as exc:
+            return f"lost its pipe ({exc})"
+        self._mappings.sent(self.slot.id, forget, [b.id for b in fresh])
+        self._set("busy")
+        ping_timeout = self._config.ping_timeout
+        while True:
+            ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
+            if proc.conn in ready:
+                try:
+                    msg: ToSupervisor = proc.recv()
+                except (EOFError, OSError):
+                    return "died"
+                self.heard_at = time.monotonic()
+                if self.state == "stuck":
+                    log.warning("worker %d (pid %s) is answering again", self.slot.id, proc.pid)
+                    self._set("busy")
+                if isinstance(msg, Done | Failed) and msg.task_id == task.id:
+                    self._set("idle")
+                    if isinstance(msg, Failed):  # the worker unmapped the task's buffers
+                        self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
+                    return msg
+            elif proc.sentinel in ready:
+                return f"died (exit code {proc.exitcode})"
+            elif self.state != "stuck" and time.monotonic() - self.heard_at > ping_timeout:
+                # Not killed: a slow task is the caller's to abandon (its deadline); a stopped
+                # one may resume. Reported as not alive meanwhile.
+                log.warning(
+                    "worker %d (pid %s) silent for %.1f s mid-task: stuck",
+                    self.slot.id,
+                    proc.pid,
+                    time.monotonic() - self.heard_at,
+                )
+                self._set("stuck")

@@ -1,0 +1,148 @@
+"""A submitted batch as its caller holds it (`PoolJob`, then `PoolResult`), one worker's share
+of it (`_Task`) and the queue of shares waiting for one worker (`TaskQueue`)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from ._messages import TaskSpec
+from ._shm import BufferCache, SharedBuffer
+
+__all__ = ["PoolJob", "PoolResult", "TaskQueue"]
+
+
+class PoolResult:
+    """out `[Tq, H, Dv]` and lse `[H, Tq]` (or None) as views of shared memory.
+
+    `release()` hands the memory back for reuse; the tensors must not be used after it. Without
+    it the memory is simply freed once the tensors are.
+    """
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kernel: str,
+        buffer: SharedBuffer,
+        cache: BufferCache,
+    ) -> None:
+        self.out, self.lse, self.kernel = out, lse, kernel
+        self._buffer: SharedBuffer | None = buffer
+        self._cache = cache
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self._cache.put(self._buffer)
+            self._buffer = None
+
+
+@dataclass(eq=False)
+class PoolJob:
+    """A submitted batch. `result()` waits; `cancel()` abandons it (its busy workers are
+    stopped and replaced, so their CCXs are free again at once)."""
+
+    kernel: str
+    _future: Future[PoolResult] = field(default_factory=Future)
+    _pending: int = 0  # tasks not done yet; guarded by _lock (dispatcher threads finish them)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _on_cancel: Callable[[PoolJob], None] | None = None
+    _finish: Callable[[PoolJob], None] | None = None
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+    @property
+    def future(self) -> Future[PoolResult]:
+        """The outcome as a `concurrent.futures.Future` (for `asyncio.wrap_future`); cancel the
+        job with `cancel()`, which also stops its busy workers."""
+        return self._future
+
+    def result(self, timeout: float | None = None) -> PoolResult:
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"the batch did not finish within {timeout} s") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def cancel(self) -> None:
+        on_cancel = self._on_cancel
+        if self._future.cancel() and on_cancel is not None:
+            on_cancel(self)
+
+    def _piece_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last and self._finish is not None:
+            self._finish(self)
+
+    def _fail(self, exc: BaseException) -> None:
+        # a race with cancel() or another failure: the first outcome wins
+        with contextlib.suppress(InvalidStateError):
+            self._future.set_exception(exc)
+
+    def _succeed(self, result: PoolResult) -> None:
+        with contextlib.suppress(InvalidStateError):  # cancelled or failed meanwhile
+            self._future.set_result(result)
+
+
+@dataclass(eq=False)
+class _Task:
+    """One worker's share of a job: its pieces, in one message. `spec` lacks `buffers` and
+    `forget`, which depend on what the worker it goes to has mapped."""
+
+    id: int
+    job: PoolJob
+    spec: TaskSpec
+    buffers: list[SharedBuffer]
+    cost: int
+    attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
+
+
+class TaskQueue(queue.Queue[_Task | None]):
+    """Tasks waiting for one worker (None: stop dispatching); `cost` is theirs summed, kept
+    under the queue's own `mutex` as tasks come and go."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self.cost = 0
+
+    def _put(self, item: _Task | None) -> None:
+        super()._put(item)
+        self.cost += item.cost if item is not None else 0
+
+    def _get(self) -> _Task | None:
+        item = super()._get()
+        self.cost -= item.cost if item is not None else 0
+        return item
+
+    @property
+    def load(self) -> int:
+        with self.mutex:
+            return self.cost
+
+    def take_all(self) -> list[_Task]:
+        """Take the tasks queued, leaving a stop request (None) in place."""
+        moved: list[_Task] = []
+        with contextlib.suppress(queue.Empty):
+            for _ in range(self.qsize()):
+                task = self.get_nowait()
+                if task is None:
+                    self.put(None)  # close() asked this dispatcher to stop
+                    break
+                moved.append(task)
+        return moved

@@ -1,0 +1,132 @@
+"""The messages between the supervisor and a worker process, and what a task names.
+
+Only the standard library is imported here: a worker unpickles these before it has set its CPU
+affinity and thread environment, and torch must not load before that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Beat",
+    "BufferUse",
+    "Done",
+    "Failed",
+    "Piece",
+    "Ready",
+    "RunTask",
+    "Stop",
+    "TaskSpec",
+    "TensorRef",
+    "ToSupervisor",
+    "ToWorker",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where a tensor lies in a shared buffer, in a form a pipe carries (no tensor bytes)."""
+
+    buffer: int  # SharedBuffer.id
+    offset: int  # bytes from the buffer start to element 0
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str  # "bfloat16", ...
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Requests `[r0, r1)`, heads `[h0, h1)`. Token ranges are absolute; `q_cu`/`kv_cu` are the
+    requests' offsets relative to `q_lo`/`kv_lo`. `cost` in head x (query, key) pairs."""
+
+    r0: int
+    r1: int
+    h0: int
+    h1: int
+    q_lo: int
+    q_hi: int
+    kv_lo: int
+    kv_hi: int
+    q_cu: tuple[int, ...]
+    kv_cu: tuple[int, ...]
+    cost: int
+
+
+@dataclass(frozen=True, slots=True)
+class BufferUse:
+    """A shared buffer a task reads or writes; `sent`: its descriptor rides with the message
+    (the worker has not mapped it yet)."""
+
+    id: int  # SharedBuffer.id
+    nbytes: int
+    sent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """One worker's share of a batch: `pieces` of it over `q`, `k`, `v`, written to `out` (and
+    `lse`). `forget`: buffer ids the worker is to unmap (freed by the supervisor)."""
+
+    kernel: str
+    causal: bool
+    scale: float
+    q: TensorRef
+    k: TensorRef
+    v: TensorRef
+    out: TensorRef
+    lse: TensorRef | None
+    pieces: tuple[Piece, ...] = ()
+    buffers: tuple[BufferUse, ...] = ()
+    forget: tuple[int, ...] = ()
+
+
+# -- supervisor -> worker --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunTask:
+    """Run `spec`; one descriptor is attached per `spec.buffers` entry marked `sent`, in order."""
+
+    task_id: int
+    spec: TaskSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Exit now."""
+
+
+# -- worker -> supervisor --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """torch is loaded: the worker takes tasks."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    task_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The task raised; the worker keeps none of its buffers mapped."""
+
+    task_id: int
+    error_type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """A heartbeat, every `ping_interval` s from the worker's watchdog thread."""
+
+    n: int
+
+
+ToWorker = RunTask | Stop
+ToSupervisor = Ready | Done | Failed | Beat
