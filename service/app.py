@@ -12,10 +12,11 @@ import functools
 import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,26 +26,29 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from zen_mla import wire
-from zen_mla._errors import (
+from zen_mla import (
     BodyTooLargeError,
-    DeadlineExceededError,
     KernelError,
     LengthRequiredError,
     ServiceUnavailableError,
     UnauthorizedError,
     UnsupportedMediaTypeError,
-    WorkTooLargeError,
     ZenMLAError,
+    region_request,
     status_of,
+    wire,
+    zentorch_status,
 )
-from zen_mla._status import zentorch_status
-from zen_mla.kernels import select_kernel
-from zen_mla.pool import PoolConfig, PoolResult, SharedBuffer, WorkerPool
+from zen_mla.engine import EngineConfig, PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
+from zen_mla.pool import PoolConfig, SharedBuffer
+from zen_mla.region_server import RegionServer
+from zen_mla.regions import RegionRegistry
 
 from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
 from .metrics import Metrics
 from .problems import PROBLEM_RESPONSES, Problem, problem
+from .regions import answer as region_answer
+from .regions import resolve as resolve_regions
 from .settings import Settings
 
 log = logging.getLogger("zen_mla.service")
@@ -54,13 +58,18 @@ SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
 @dataclass
 class ServiceState:
     settings: Settings
-    pool: WorkerPool | None = None
+    engine: PrefillEngine | None = None
     ready: bool = False
     draining: bool = False
     start_error: str | None = None
     # zentorch_status(), once its probe (seconds, in a thread at start) is done; /health reads
     # this instead of calling it, which would block the event loop on the probe meanwhile
     zentorch: dict[str, Any] | None = None
+    # same-host regions (None while shared memory is off or not started); owned by the event
+    # loop's thread, as the region server that fills it runs there
+    regions: RegionRegistry | None = None
+    region_server: RegionServer | None = None
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
 
@@ -73,34 +82,43 @@ class ServiceState:
         return self.admission.inflight
 
 
-def create_app(settings: Settings | None = None, pool: WorkerPool | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine: PrefillEngine | None = None) -> FastAPI:
     """The app for `settings` (default: from the environment).
 
-    Without `pool`, the app owns one: it starts in the background with the app's lifespan
+    Without `engine`, the app owns one: it starts in the background with the app's lifespan
     (/health answers 503 "starting" until every worker is up) and closes with it. A started
-    `pool` passed in stays the caller's to close (tests and embedding use this).
+    `engine` passed in stays the caller's to close (tests and embedding use this).
     """
     settings = settings or Settings()
-    state = ServiceState(settings, pool=pool, ready=pool is not None)
-    if pool is not None:
-        state.zentorch = zentorch_status()  # probed already when the pool was made
+    state = ServiceState(settings, engine=engine, ready=engine is not None)
+    if engine is not None:
+        state.zentorch = zentorch_status()  # probed already when the engine was made
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if pool is not None:
-            yield
+        if engine is not None:
+            _serve_regions(state, engine)
+            try:
+                yield
+            finally:
+                if state.region_server is not None:
+                    state.region_server.close()
             return
 
         async def start() -> None:
             try:
                 state.zentorch = await asyncio.to_thread(zentorch_status)  # off the event loop
-                pool = WorkerPool(PoolConfig(workers=settings.worker_count, smt=settings.smt))
-                state.pool = pool
-                await asyncio.to_thread(pool.start)
+                config = EngineConfig(
+                    PoolConfig(workers=settings.worker_count, smt=settings.smt),
+                    max_work=settings.max_work,
+                )
+                state.engine = PrefillEngine(config)
+                await asyncio.to_thread(state.engine.start)
+                _serve_regions(state, state.engine)
                 state.ready = True
             except Exception as exc:  # reported by /health; the process stays up to say so
                 state.start_error = f"{type(exc).__name__}: {exc}"
-                log.exception("worker pool failed to start")
+                log.exception("the engine failed to start")
 
         starting = asyncio.create_task(start())
         try:
@@ -108,8 +126,10 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
         finally:
             state.draining, state.ready = True, False
             await starting
-            if state.pool is not None:
-                await asyncio.to_thread(state.pool.close, settings.drain_timeout_s)
+            if state.region_server is not None:
+                state.region_server.close()
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.close, settings.drain_timeout_s)
 
     app = FastAPI(title="zen-mla", version="0.1.0", lifespan=lifespan)
     app.state.service = state
@@ -136,7 +156,7 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         """Prometheus text format, names prefixed zen_mla_."""
-        workers = state.pool.workers() if state.pool is not None else []
+        workers = state.engine.workers() if state.engine is not None else []
         text = state.metrics.render(
             state.admission.queued,
             state.admission.uploads,
@@ -191,7 +211,7 @@ def create_app(settings: Settings | None = None, pool: WorkerPool | None = None)
 def _health(state: ServiceState) -> JSONResponse:
     """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
     status = state.zentorch or {}
-    workers = state.pool.workers() if state.pool is not None else []
+    workers = state.engine.workers() if state.engine is not None else []
     alive = sum(bool(w["alive"]) for w in workers)
     if state.draining:
         word = "draining"
@@ -211,6 +231,13 @@ def _health(state: ServiceState) -> JSONResponse:
         "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
         "kernel": status.get("auto_kernel"),
         "kernel_reason": status.get("reason"),
+        "lse_kernel": status.get("lse_kernel"),
+        "lse_kernel_reason": status.get("lse_reason"),
+        "shared_memory": (
+            {"socket": state.region_server.path, "instance": state.instance}
+            if state.region_server is not None
+            else None
+        ),
         "cpu": status.get("cpu"),
         "workers": workers,
         "inflight": a.inflight,
@@ -222,12 +249,32 @@ def _health(state: ServiceState) -> JSONResponse:
     return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
 
 
-def _admit(state: ServiceState, request: Request) -> Ticket:
-    """Checks made before a byte of the body is read; the request's share of the admission."""
+def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
+    """Listen for same-host regions where the settings offer them (on the event loop)."""
+    s = state.settings
+    path = s.regions_socket
+    if path is None:
+        return
+    registry = RegionRegistry(
+        max_regions=s.shm_max_regions, max_bytes=s.shm_max_bytes, adopt=engine.adopt
+    )
+    server = RegionServer(
+        path,
+        registry,
+        token=s.api_token.get_secret_value() if s.api_token is not None else None,
+        max_clients=s.shm_max_clients,
+        instance=state.instance,
+    )
+    server.start()
+    state.regions, state.region_server = registry, server
+
+
+def _gate(state: ServiceState, request: Request) -> PrefillEngine:
+    """Checks every prefill passes first: serving, ready, the token."""
     s = state.settings
     if state.draining:
         raise ServiceUnavailableError("the service is draining for shutdown", retry_after=5)
-    if not state.ready or state.pool is None:
+    if not state.ready or state.engine is None:
         raise ServiceUnavailableError(
             state.start_error or "the worker pool is starting", retry_after=5
         )
@@ -236,19 +283,17 @@ def _admit(state: ServiceState, request: Request) -> Ticket:
         good = s.api_token.get_secret_value().encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), good):
             raise UnauthorizedError("a valid bearer token is required (Authorization: Bearer ...)")
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/octet-stream":
-        raise UnsupportedMediaTypeError(
-            f"Content-Type: expected application/octet-stream, got {media or 'none'}"
-        )
+    return state.engine
+
+
+def _admit(state: ServiceState, request: Request, limit: int) -> Ticket:
+    """Checks made before a byte of the body is read; the request's share of the admission."""
     length = request.headers.get("content-length")
     if length is None or not length.isdigit():
         raise LengthRequiredError("Content-Length: expected the body size in bytes, got none")
     n = int(length)
-    if n > s.max_body_bytes:
-        raise BodyTooLargeError(
-            f"Content-Length: expected at most {s.max_body_bytes} bytes, got {n}"
-        )
+    if n > limit:
+        raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
     state.admission.check_queue()  # a full queue now is a 429 now, not after the upload
     return state.admission.admit(n)
 
@@ -260,128 +305,186 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _prefill(state: ServiceState, request: Request) -> Response:
-    t0 = time.perf_counter()
-    s = state.settings
+class _ClientGoneError(Exception):
+    """The client closed the connection while its work ran (answered 499, for metrics)."""
+
+
+@dataclass
+class _Exchange:
+    """One /prefill as the log line and the metrics see it."""
+
+    t0: float = field(default_factory=time.perf_counter)
     request_id: str | None = None
-    status, bytes_in, bytes_out = 500, 0, 0
-    buf: SharedBuffer | None = None
+    status: int = 500
+    bytes_in: int = 0
+    bytes_out: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    buf: SharedBuffer | None = None  # the body's buffer, until handed back
     ticket: Ticket | None = None
-    info: dict[str, Any] = {}
+
+
+async def _prefill(state: ServiceState, request: Request) -> Response:
+    x = _Exchange()
     try:
-        ticket = _admit(state, request)
-        pool = state.pool
-        assert pool is not None
-        n = int(request.headers["content-length"])
-        loop = asyncio.get_running_loop()
-        buf = await read_body(
-            request.receive,
-            n,
-            pool,
-            min_rate=s.min_body_rate,
-            grace_s=s.body_grace_s,
-            deadline_at=loop.time() - (time.perf_counter() - t0) + s.deadline_s,
-            deadline_s=s.deadline_s,
-        )
-        bytes_in = n
-        ingest_s = time.perf_counter() - t0
-        ticket.uploaded()
-        tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
-        request_id = meta.get("request_id")
-        options = wire.parse_options(meta)
-        batch = wire.request_batch(tensors, options)
-        work = batch.work()
-        if work > s.max_work:
-            raise WorkTooLargeError(
-                "work",
-                f"H * Dqk * visible query-key pairs <= {s.max_work} (the service's cap)",
-                str(work),
-                "Split the batch into smaller requests",
+        engine = _gate(state, request)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media == region_request.MEDIA_TYPE and state.regions is not None:
+            return await _from_regions(state, request, engine, x)
+        if media != "application/octet-stream":
+            offered = "application/octet-stream" + (
+                f" or {region_request.MEDIA_TYPE}" if state.regions is not None else ""
             )
-        kernel = select_kernel(options.kernel, batch.q.dtype, return_lse=options.return_lse)
-        info = {"tq": batch.q.shape[0], "tk": batch.k.shape[0], "b": batch.num_requests}
-        ticket.enqueue()
-        submit = functools.partial(
-            pool.submit_batch, batch, kernel.name, return_lse=options.return_lse, inputs=buf
-        )
-        tq, h, _ = batch.q.shape
-        if tq * h * batch.v_head_dim * batch.v.element_size() > SMALL_BYTES:
-            job = await asyncio.to_thread(submit)  # the pool makes (pre-faults) `out` at once
-        else:
-            job = submit()
-        waiting = asyncio.wrap_future(job._future)
-        gone: asyncio.Future[None] = asyncio.create_task(_disconnected(request))
-        remaining = s.deadline_s - (time.perf_counter() - t0)
-        watch: set[asyncio.Future[Any]] = {waiting, gone}
-        done, _ = await asyncio.wait(
-            watch, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
-        )
-        gone.cancel()
-        if waiting not in done:
-            job.cancel()
-            if gone in done:
-                status = 499  # client closed the connection (nginx's convention), for metrics
-                return Response(status_code=499)
-            raise DeadlineExceededError(
-                f"the request ran past its {s.deadline_s} s deadline; its work was abandoned"
+            raise UnsupportedMediaTypeError(
+                f"Content-Type: expected {offered}, got {media or 'none'}"
             )
-        result = waiting.result()
-        held, buf = buf, None
-        await give_back(pool, held)
-        done_at = time.perf_counter()
-        queue_s = (job.started_at or done_at) - job.queued_at
-        compute_s = done_at - (job.started_at or done_at)
-        state.metrics.observe("queue", queue_s)
-        state.metrics.observe("compute", compute_s)
-        state.metrics.count_tokens(batch.q.shape[0], batch.k.shape[0])
-        response = _send(result, kernel.name, request_id)
-        response.headers["Server-Timing"] = (
-            f"ingest;dur={ingest_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
-            f"compute;dur={compute_s * 1e3:.3f}"
-        )
-        status, bytes_out = 200, int(response.headers["content-length"])
-        info |= {
-            "ingest_ms": round(ingest_s * 1e3, 3),
-            "queue_ms": round(queue_s * 1e3, 3),
-            "compute_ms": round(compute_s * 1e3, 3),
-        }
-        return response
-    except ClientDisconnect:
-        status = 499
+        return await _from_body(state, request, engine, x)
+    except (ClientDisconnect, _ClientGoneError):
+        x.status = 499
         return Response(status_code=499)
     except ZenMLAError as exc:
-        status = status_of(exc)
+        x.status = status_of(exc)
         # Answered before the whole body came: the connection closes (lingering, see
         # protocol.py) rather than reading an unbounded rest of the body to keep it alive.
-        return problem(exc, request_id, None if bytes_in else {"Connection": "close"})
+        return problem(exc, x.request_id, None if x.bytes_in else {"Connection": "close"})
     except Exception as exc:  # a bug of ours: a 500 problem, never a dropped connection
         log.exception("prefill failed")
-        status = 500
-        return problem(KernelError(f"internal error: {type(exc).__name__}: {exc}"), request_id)
+        x.status = 500
+        return problem(KernelError(f"internal error: {type(exc).__name__}: {exc}"), x.request_id)
     finally:
-        if buf is not None and state.pool is not None:
-            await give_back(state.pool, buf)
-        if ticket is not None:
-            ticket.close()
-        total = time.perf_counter() - t0
+        if x.buf is not None and state.engine is not None:
+            await give_back(state.engine, x.buf)
+        if x.ticket is not None:
+            x.ticket.close()
+        total = time.perf_counter() - x.t0
         state.metrics.observe("total", total)
-        state.metrics.count_request(status, bytes_in, bytes_out)
+        state.metrics.count_request(x.status, x.bytes_in, x.bytes_out)
         log.info(
             json.dumps(
                 {
                     "event": "prefill",
-                    "request_id": request_id,
-                    "status": status,
-                    "bytes_in": bytes_in,
-                    "bytes_out": bytes_out,
+                    "request_id": x.request_id,
+                    "status": x.status,
+                    "bytes_in": x.bytes_in,
+                    "bytes_out": x.bytes_out,
                     "total_ms": round(total * 1e3, 3),
-                    **info,
+                    **x.info,
                 }
             )
         )
 
 
-def _send(result: PoolResult, kernel: str, request_id: str | None) -> StreamingResponse:
+async def _from_body(
+    state: ServiceState, request: Request, engine: PrefillEngine, x: _Exchange
+) -> Response:
+    """A safetensors body: read into shared memory, decoded as views, read there in place."""
+    s = state.settings
+    x.ticket = _admit(state, request, s.max_body_bytes)
+    n = int(request.headers["content-length"])
+    loop = asyncio.get_running_loop()
+    x.buf = await read_body(
+        request.receive,
+        n,
+        engine,
+        min_rate=s.min_body_rate,
+        grace_s=s.body_grace_s,
+        deadline_at=loop.time() - (time.perf_counter() - x.t0) + s.deadline_s,
+        deadline_s=s.deadline_s,
+    )
+    x.bytes_in = n
+    ingest_s = time.perf_counter() - x.t0
+    x.ticket.uploaded()
+    tensors, meta = wire.decode(x.buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
+    x.request_id = meta.get("request_id")
+    options = wire.parse_options(meta)
+    prepared = engine.prepare_tensors(
+        tensors,
+        causal=options.causal,
+        return_lse=options.return_lse,
+        scale=options.scale,
+        kernel=options.kernel,
+    )
+    run = functools.partial(engine.run, prepared, inputs=x.buf)
+    result, timing = await _compute(state, request, prepared, run, x)
+    held, x.buf = x.buf, None
+    await give_back(engine, held)
+    response = _send(result, x.request_id)
+    x.status, x.bytes_out = 200, int(response.headers["content-length"])
+    return _timed(response, ingest_s, *timing, x)
+
+
+async def _from_regions(
+    state: ServiceState, request: Request, engine: PrefillEngine, x: _Exchange
+) -> Response:
+    """A small JSON body naming places in the client's regions: no tensor byte is read."""
+    assert state.regions is not None
+    x.ticket = _admit(state, request, wire.MAX_HEADER_BYTES)
+    body = await request.body()
+    x.bytes_in = len(body)
+    ingest_s = time.perf_counter() - x.t0
+    x.ticket.uploaded()
+    work = resolve_regions(body, state.regions, engine)
+    x.request_id = work.options.request_id
+    run = functools.partial(engine.run, work.prepared, inputs=work.inputs, outputs=work.outputs)
+    result, timing = await _compute(state, request, work.prepared, run, x)
+    result.release()  # the client's memory: nothing goes back to a cache
+    response = region_answer(work, result.kernels, x.request_id)
+    x.status, x.bytes_out = 200, len(response.body)
+    return _timed(response, ingest_s, *timing, x)
+
+
+async def _compute(
+    state: ServiceState,
+    request: Request,
+    prepared: PrefillRequest,
+    run: Callable[[], PrefillJob],
+    x: _Exchange,
+) -> tuple[PrefillResult, tuple[float, float]]:
+    """Queue the prepared request and wait for it within the deadline, watching the client;
+    the result, and its (queue, compute) seconds."""
+    s = state.settings
+    x.info = {"tq": prepared.num_q_tokens, "tk": prepared.num_kv_tokens, "b": prepared.num_requests}
+    assert x.ticket is not None
+    x.ticket.enqueue()
+    batch = prepared.batch
+    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
+    if out_bytes > SMALL_BYTES:
+        job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
+    else:
+        job = run()
+    waiting = asyncio.ensure_future(job.wait(s.deadline_s - (time.perf_counter() - x.t0)))
+    gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
+    watch: set[asyncio.Future[Any]] = {waiting, gone}
+    await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
+        waiting.cancel()  # abandons the work: its busy workers are stopped and replaced
+        raise _ClientGoneError
+    gone.cancel()
+    result = waiting.result()  # DeadlineExceededError past the deadline
+    done_at = time.perf_counter()
+    queue_s = (job.started_at or done_at) - job.queued_at
+    compute_s = done_at - (job.started_at or done_at)
+    state.metrics.observe("queue", queue_s)
+    state.metrics.observe("compute", compute_s)
+    state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
+    return result, (queue_s, compute_s)
+
+
+def _timed(
+    response: Response, ingest_s: float, queue_s: float, compute_s: float, x: _Exchange
+) -> Response:
+    response.headers["Server-Timing"] = (
+        f"ingest;dur={ingest_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
+        f"compute;dur={compute_s * 1e3:.3f}"
+    )
+    x.info |= {
+        "ingest_ms": round(ingest_s * 1e3, 3),
+        "queue_ms": round(queue_s * 1e3, 3),
+        "compute_ms": round(compute_s * 1e3, 3),
+    }
+    return response
+
+
+def _send(result: PrefillResult, request_id: str | None) -> StreamingResponse:
     """safetensors header, then out and lse straight from the shared memory the workers wrote.
 
     The memory goes back to the pool only when nothing refers to it any more: the transport
@@ -389,7 +492,11 @@ def _send(result: PoolResult, kernel: str, request_id: str | None) -> StreamingR
     release waits for the arrays behind the chunks to be collected, not for the last yield.
     """
     outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
-    meta = {"kernel": kernel} | ({"request_id": request_id} if request_id else {})
+    meta = {"kernel": result.kernels.out}
+    if result.kernels.lse is not None:
+        meta["lse_kernel"] = result.kernels.lse
+    if request_id:
+        meta["request_id"] = request_id
     header, chunks = wire.encode(outputs, meta)
     length = len(header) + sum(c.nbytes for c in chunks)
     _release_when_collected(result, [c.obj for c in chunks if c.nbytes])
@@ -409,7 +516,7 @@ def _send(result: PoolResult, kernel: str, request_id: str | None) -> StreamingR
     )
 
 
-def _release_when_collected(result: PoolResult, exporters: list[object]) -> None:
+def _release_when_collected(result: PrefillResult, exporters: list[object]) -> None:
     if not exporters:
         result.release()
         return

@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", dest="max_connections", type=int)
     serve.add_argument("--fd-reserve", dest="fd_reserve", type=int)
     serve.add_argument("--linger-s", dest="linger_s", type=float)
+    serve.add_argument(
+        "--shared-memory",
+        dest="shared_memory",
+        action=argparse.BooleanOptionalAction,
+        help="offer same-host regions on a Unix socket (default: on)",
+    )
+    serve.add_argument("--shm-socket", dest="shm_socket", help="the regions' socket path")
+    serve.add_argument("--shm-max-regions", dest="shm_max_regions", type=int)
+    serve.add_argument("--shm-max-bytes", dest="shm_max_bytes", type=int)
+    serve.add_argument("--shm-max-clients", dest="shm_max_clients", type=int)
     serve.add_argument("--http", choices=["httptools", "h11"])
     serve.add_argument("--log-level", dest="log_level")
     serve.set_defaults(run=_serve)

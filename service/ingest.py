@@ -16,13 +16,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect
 
-from zen_mla._errors import (
-    DeadlineExceededError,
-    QueueFullError,
-    RequestTimeoutError,
-    WireFormatError,
-)
-from zen_mla.pool import SharedBuffer, WorkerPool
+from zen_mla import DeadlineExceededError, QueueFullError, RequestTimeoutError, WireFormatError
+from zen_mla.engine import PrefillEngine
+from zen_mla.pool import SharedBuffer
 
 from .settings import Settings
 
@@ -111,7 +107,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 async def read_body(
     receive: Receive,
     nbytes: int,
-    pool: WorkerPool,
+    engine: PrefillEngine,
     *,
     min_rate: float,
     grace_s: float,
@@ -131,7 +127,7 @@ async def read_body(
     early: list[bytes] = []  # chunks that came before the buffer was made
     buf: SharedBuffer | None = None
     if nbytes <= SMALL_BYTES:
-        buf = pool.buffer(nbytes)
+        buf = engine.buffer(nbytes)
     slow = False
     try:
         async with asyncio.timeout(None) as timer:
@@ -153,7 +149,7 @@ async def read_body(
                 else:
                     early.append(chunk)
                     if end >= nbytes // PROOF_FRACTION or not more:
-                        buf = await asyncio.to_thread(pool.buffer, nbytes)
+                        buf = await asyncio.to_thread(engine.buffer, nbytes)
                         view, at = buf.bytes_view, 0
                         for part in early:
                             view[at : at + len(part)] = part
@@ -162,7 +158,7 @@ async def read_body(
                 got = end
     except TimeoutError:
         if buf is not None:
-            await give_back(pool, buf)
+            await give_back(engine, buf)
         if slow:
             elapsed = loop.time() - start
             raise RequestTimeoutError(
@@ -172,19 +168,19 @@ async def read_body(
         raise DeadlineExceededError(f"the body did not arrive within {deadline_s} s") from None
     except BaseException:
         if buf is not None:
-            await give_back(pool, buf)
+            await give_back(engine, buf)
         raise
     if got != nbytes or buf is None:
         if buf is not None:
-            await give_back(pool, buf)
+            await give_back(engine, buf)
         raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
     return buf
 
 
-async def give_back(pool: WorkerPool, buf: SharedBuffer) -> None:
-    """`pool.release(buf)`; for a large buffer in a thread: the release may free an older
+async def give_back(engine: PrefillEngine, buf: SharedBuffer) -> None:
+    """`engine.release(buf)`; for a large buffer in a thread: the release may free an older
     buffer of the pool's cache, and unmapping 1 GiB takes 0.3-0.5 s (without the GIL)."""
     if buf.nbytes <= SMALL_BYTES:
-        pool.release(buf)
+        engine.release(buf)
     else:
-        await asyncio.to_thread(pool.release, buf)
+        await asyncio.to_thread(engine.release, buf)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from zen_mla._errors import (
+from zen_mla import (
     InvalidInputError,
     OverloadedError,
     UnauthorizedError,

@@ -22,7 +22,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from zen_mla._errors import (
+from zen_mla import (
     HeadersTooLargeError,
     RequestTimeoutError,
     ServiceUnavailableError,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -51,6 +52,17 @@ class Settings(BaseSettings):
         1 << 41, gt=0, description="cap on H * Dqk * (visible query-key pairs) per request"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, in-flight work gets this")
+    shared_memory: bool = Field(
+        True, description="offer same-host regions (memfds handed over a Unix socket)"
+    )
+    shm_socket: str | None = Field(
+        None,
+        description="the regions' socket; default: next to --uds, else "
+        "/tmp/zen-mla-<uid>/regions-<port>.sock",
+    )
+    shm_max_regions: int = Field(64, ge=1, description="regions one client may hold")
+    shm_max_bytes: int = Field(64 << 30, ge=1, description="bytes of regions one client may hold")
+    shm_max_clients: int = Field(64, ge=1, description="region-socket connections at once")
     http: Literal["httptools", "h11"] = "httptools"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -83,6 +95,17 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("workers must be 'auto' or a whole number") from None
         return value
+
+    @property
+    def regions_socket(self) -> str | None:
+        """Where the regions' socket listens, None when shared memory is off."""
+        if not self.shared_memory:
+            return None
+        if self.shm_socket:
+            return self.shm_socket
+        if self.uds:
+            return f"{self.uds}.regions"
+        return f"/tmp/zen-mla-{os.getuid()}/regions-{self.port}.sock"
 
     @property
     def worker_count(self) -> int | None:

@@ -4,6 +4,7 @@ blocking and awaitable."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _batch(q_lens, kv_lens, dtype=torch.bfloat16, seed=0):
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(PoolConfig(workers=1, ping_interval=0.2), max_work=H * DQK * 50_000)
+    config = EngineConfig(PoolConfig(workers=1, ping_interval=0.2))
     with PrefillEngine(config) as e:
         yield e
 
@@ -41,7 +42,8 @@ def test_result_matches_the_reference_and_names_its_kernels(engine, return_lse):
     assert job.kernels == zen_mla.kernel_choice("auto", q.dtype, return_lse=return_lse)
     assert result.kernels == job.kernels
     assert_close_to_reference(q, k, v, q_cu, kv_cu, True, result.out, result.lse)
-    assert (job.num_requests, job.num_q_tokens, job.num_kv_tokens) == (3, 37, 53)
+    request = job.request
+    assert (request.num_requests, request.num_q_tokens, request.num_kv_tokens) == (3, 37, 53)
     result.release()
 
 
@@ -62,18 +64,19 @@ def test_wait_from_asyncio(engine):
 def test_tensors_by_name_and_a_missing_one_is_named(engine):
     q, k, v, q_cu, _ = _batch([9], [9])
     tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
-    result = engine.submit_tensors(tensors).result(timeout=60)
+    result = engine.run(engine.prepare_tensors(tensors)).result(timeout=60)
     assert_close_to_reference(q, k, v, q_cu, None, True, result.out)
     with pytest.raises(zen_mla.InvalidInputError, match="v") as info:
-        engine.submit_tensors({"q": q, "k": k, "q_cu_seq_lens": q_cu})
+        engine.prepare_tensors({"q": q, "k": k, "q_cu_seq_lens": q_cu})
     assert info.value.name == "v"
 
 
 def test_bad_input_and_work_over_the_cap_are_refused_before_the_pool(engine):
     q, k, v, q_cu, kv_cu = _batch([300], [300])
-    with pytest.raises(zen_mla.WorkTooLargeError, match="cap"):
-        engine.submit(q, k, v, q_cu, kv_cu, causal=False)  # 90,000 pairs > 50,000
-    assert engine.submit(q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (300, H, DV)
+    capped = PrefillEngine(EngineConfig(PoolConfig(workers=1), max_work=H * DQK * 50_000))
+    with pytest.raises(zen_mla.WorkTooLargeError, match="cap"):  # never started: no workers
+        capped.prepare(q, k, v, q_cu, kv_cu, causal=False)  # 90,000 pairs > 50,000
+    assert capped.prepare(q, k, v, q_cu, kv_cu).batch.work() == H * DQK * 45_150
     with pytest.raises(zen_mla.InvalidInputError) as info:
         engine.submit(q, k, v[:, :, :1].expand(-1, -1, 2 * DQK), q_cu, kv_cu)
     assert info.value.name == "v"
@@ -92,3 +95,24 @@ def test_a_deadline_abandons_the_work_and_the_worker_is_free_again(engine):
         job.cancel()
     assert engine.submit(q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (140, H, DV)
     assert engine.ready()
+
+
+@pytest.mark.slow
+def test_an_awaited_deadline_stops_the_busy_worker(engine):
+    """asyncio cancels the wrapped future itself when its awaiter times out: the busy worker
+    must be stopped all the same, not left computing abandoned work."""
+    q, k, v, q_cu, kv_cu = _batch([8000], [8000], dtype=torch.float32)
+    before = engine.workers()[0]["restarts"]
+    job = engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False)
+
+    async def main():
+        while job.started_at is None:
+            await asyncio.sleep(0.01)
+        await job.wait(timeout=0.2)
+
+    with pytest.raises(zen_mla.DeadlineExceededError):
+        asyncio.run(main())
+    deadline = time.monotonic() + 60
+    while engine.workers()[0]["restarts"] == before or not engine.ready():
+        assert time.monotonic() < deadline, engine.workers()
+        time.sleep(0.05)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import (
     BodyTooLargeError,
     DeadlineExceededError,
+    HeadersTooLargeError,
     InvalidInputError,
     KernelError,
     KernelUnavailableError,
@@ -20,12 +21,14 @@ from ._errors import (
     PoolClosedError,
     QueueFullError,
     RequestRejectedError,
+    RequestTimeoutError,
     ServiceUnavailableError,
     UnauthorizedError,
     UnsupportedMediaTypeError,
     WireFormatError,
     WorkTooLargeError,
     ZenMLAError,
+    status_of,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BodyTooLargeError",
     "DeadlineExceededError",
+    "HeadersTooLargeError",
     "InvalidInputError",
     "KernelChoice",
     "KernelError",
@@ -45,6 +49,7 @@ __all__ = [
     "PoolClosedError",
     "QueueFullError",
     "RequestRejectedError",
+    "RequestTimeoutError",
     "ServiceUnavailableError",
     "UnauthorizedError",
     "UnsupportedMediaTypeError",
@@ -53,6 +58,7 @@ __all__ = [
     "ZenMLAError",
     "kernel_choice",
     "ragged_attention",
+    "status_of",
     "zentorch_status",
 ]
 

@@ -15,7 +15,7 @@ itself.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +25,9 @@ from ._errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from ._ragged import RaggedBatch, validate
 from ._status import zentorch_status
 from .kernels import KernelChoice, select_kernel
-from .pool import PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
+from .pool import Outputs, PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
 
-__all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillResult"]
+__all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]
 
 #: the tensors of a prefill request, by the contract's names
 REQUIRED_TENSORS = ("q", "k", "v", "q_cu_seq_lens")
@@ -58,14 +58,34 @@ class PrefillResult:
         self._pool_result.release()
 
 
-class PrefillJob:
-    """A submitted request. `result()` blocks, `await wait()` does not; `cancel()` abandons the
-    work (its busy workers are stopped and replaced, so their CCXs are free again at once)."""
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A validated batch within the work cap, and the kernels chosen for it (`prepare()`)."""
 
-    def __init__(self, batch: RaggedBatch, kernels: KernelChoice, pool_job: PoolJob) -> None:
-        self.kernels = kernels
-        self.num_requests = batch.num_requests
-        self.num_q_tokens, self.num_kv_tokens = int(batch.q.shape[0]), int(batch.k.shape[0])
+    batch: RaggedBatch
+    kernels: KernelChoice
+
+    @property
+    def num_requests(self) -> int:
+        return self.batch.num_requests
+
+    @property
+    def num_q_tokens(self) -> int:
+        return int(self.batch.q.shape[0])
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return int(self.batch.k.shape[0])
+
+
+class PrefillJob:
+    """A queued request (`request` says what it is). `result()` blocks, `await wait()` does
+    not; `cancel()` abandons the work (its busy workers are stopped and replaced, so their CCXs
+    are free again at once)."""
+
+    def __init__(self, request: PrefillRequest, pool_job: PoolJob) -> None:
+        self.request = request
+        self.kernels = request.kernels
         self._job = pool_job
 
     @property
@@ -162,7 +182,40 @@ class PrefillEngine:
         """Hand a buffer from `buffer()` back for reuse."""
         self._pool.release(buf)
 
-    def submit_tensors(
+    def adopt(self, fd: int, nbytes: int) -> SharedBuffer:
+        """A buffer over a client's memfd (`fd` is the buffer's from now on; the caller has
+        checked that it cannot shrink below `nbytes`), for `run(inputs=, outputs=)`."""
+        return self._pool.adopt(fd, nbytes)
+
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+    ) -> PrefillRequest:
+        """Validate a ragged batch, apply the work cap and pick its kernels, without queueing
+        it; arguments, shapes and errors as `zen_mla.ragged_attention`, plus WorkTooLargeError
+        over the cap."""
+        batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
+        work = batch.work()
+        if self.config.max_work is not None and work > self.config.max_work:
+            raise WorkTooLargeError(
+                "work",
+                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's cap)",
+                str(work),
+                "Split the batch into smaller requests",
+            )
+        chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
+        return PrefillRequest(batch, KernelChoice(chosen.name, chosen.name if return_lse else None))
+
+    def prepare_tensors(
         self,
         tensors: Mapping[str, torch.Tensor],
         *,
@@ -170,14 +223,13 @@ class PrefillEngine:
         return_lse: bool = False,
         scale: float | None = None,
         kernel: str = "auto",
-        inputs: SharedBuffer | None = None,
-    ) -> PrefillJob:
-        """`submit` for tensors by the contract's names (q, k, v, q_cu_seq_lens and optional
-        kv_cu_seq_lens), as a decoded request body has them."""
+    ) -> PrefillRequest:
+        """`prepare` for tensors by the contract's names (q, k, v, q_cu_seq_lens and optional
+        kv_cu_seq_lens), as a decoded request has them; a missing one is named."""
         for name in REQUIRED_TENSORS:
             if name not in tensors:
                 raise InvalidInputError(name, "a tensor of that name in the request", "none")
-        return self.submit(
+        return self.prepare(
             tensors["q"],
             tensors["k"],
             tensors["v"],
@@ -187,8 +239,29 @@ class PrefillEngine:
             return_lse=return_lse,
             scale=scale,
             kernel=kernel,
-            inputs=inputs,
         )
+
+    def run(
+        self,
+        request: PrefillRequest,
+        *,
+        inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
+        outputs: Outputs | None = None,
+    ) -> PrefillJob:
+        """Queue a prepared request on the workers. q, k and v lying in `inputs` (buffers of
+        this engine: `buffer()`, `adopt()`) are read in place; `outputs` (a buffer, and `out`
+        and `lse` views of it) says where results are written, else a buffer of the engine's.
+        PoolClosedError once closed; ServiceUnavailableError (try again) when shared memory
+        cannot be had."""
+        kernels = request.kernels
+        job = self._pool.submit_batch(
+            request.batch,
+            kernels.out,
+            return_lse=kernels.lse is not None,
+            inputs=inputs,
+            outputs=outputs,
+        )
+        return PrefillJob(request, job)
 
     def submit(
         self,
@@ -204,19 +277,16 @@ class PrefillEngine:
         kernel: str = "auto",
         inputs: SharedBuffer | None = None,
     ) -> PrefillJob:
-        """Validate and queue a ragged batch; arguments, shapes and errors as
-        `zen_mla.ragged_attention`, plus WorkTooLargeError over the work cap and
-        PoolClosedError once closed."""
-        batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
-        work = batch.work()
-        if self.config.max_work is not None and work > self.config.max_work:
-            raise WorkTooLargeError(
-                "work",
-                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's cap)",
-                str(work),
-                "Split the batch into smaller requests",
-            )
-        chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
-        kernels = KernelChoice(chosen.name, chosen.name if return_lse else None)
-        job = self._pool.submit_batch(batch, chosen.name, return_lse=return_lse, inputs=inputs)
-        return PrefillJob(batch, kernels, job)
+        """`run(prepare(...))`."""
+        request = self.prepare(
+            q,
+            k,
+            v,
+            q_cu_seq_lens,
+            kv_cu_seq_lens,
+            causal=causal,
+            return_lse=return_lse,
+            scale=scale,
+            kernel=kernel,
+        )
+        return self.run(request, inputs=inputs)

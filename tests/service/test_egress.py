@@ -12,6 +12,8 @@ import gc
 import torch
 
 from service.app import _send
+from zen_mla.engine import PrefillResult
+from zen_mla.kernels import KernelChoice
 from zen_mla.pool import PoolResult
 from zen_mla.pool._shm import BufferCache
 
@@ -21,7 +23,8 @@ def test_memory_returns_only_after_the_last_chunk_is_dropped():
     buf = cache.get(8 << 20)
     out = buf.tensor(0, (4096, 8, 128), torch.bfloat16)
     out.copy_(torch.randn(4096, 8, 128))
-    response = _send(PoolResult(out, None, "torch", buf, cache), "torch", None)
+    pool_result = PoolResult(out, None, "torch", buf, cache)
+    response = _send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
 
     async def drain() -> list[object]:
         return [chunk async for chunk in response.body_iterator]

@@ -13,17 +13,18 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.app import create_app
 from service.settings import Settings
-from zen_mla.pool import PoolConfig, WorkerPool
+from zen_mla.engine import EngineConfig, PrefillEngine
+from zen_mla.pool import PoolConfig
 
-POOL = WorkerPool(PoolConfig(workers=1))
-APP = create_app(Settings(workers=1, max_body_bytes=1 << 20, max_queue=64), pool=POOL)
+ENGINE = PrefillEngine(EngineConfig(PoolConfig(workers=1)))
+APP = create_app(Settings(workers=1, max_body_bytes=1 << 20, max_queue=64), engine=ENGINE)
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def running_pool():
-    """schemathesis enters the app's lifespan per call: the pool lives outside it."""
-    with POOL:
+    """schemathesis enters the app's lifespan per call: the engine lives outside it."""
+    with ENGINE:
         yield
 
 

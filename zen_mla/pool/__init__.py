@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
-    from ._job import PoolJob, PoolResult
+    from ._job import Outputs, PoolJob, PoolResult
     from ._shm import SharedBuffer
     from ._supervisor import WorkerPool
 
-__all__ = ["PoolConfig", "PoolJob", "PoolResult", "SharedBuffer", "WorkerPool"]
+__all__ = ["Outputs", "PoolConfig", "PoolJob", "PoolResult", "SharedBuffer", "WorkerPool"]
 
 _LAZY = {
+    "Outputs": "._job",
     "PoolConfig": "._config",
     "PoolJob": "._job",
     "PoolResult": "._job",

@@ -251,7 +251,7 @@ class Dispatcher:
         forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
         spec = replace(
             task.spec,
-            buffers=tuple(BufferUse(b.id, b.nbytes, b in fresh) for b in task.buffers),
+            buffers=tuple(BufferUse(b.id, b.nbytes, b in fresh, b.populate) for b in task.buffers),
             forget=forget,
         )
         try:

@@ -24,7 +24,8 @@ class PoolResult:
     """out `[Tq, H, Dv]` and lse `[H, Tq]` (or None) as views of shared memory.
 
     `release()` hands the memory back for reuse; the tensors must not be used after it. Without
-    it the memory is simply freed once the tensors are.
+    it the memory is simply freed once the tensors are. Outputs written where the caller said
+    (`Outputs`) stay the caller's: `cache` is None and `release()` does nothing.
     """
 
     def __init__(
@@ -33,16 +34,21 @@ class PoolResult:
         lse: torch.Tensor | None,
         kernel: str,
         buffer: SharedBuffer,
-        cache: BufferCache,
+        cache: BufferCache | None,
     ) -> None:
         self.out, self.lse, self.kernel = out, lse, kernel
         self._buffer: SharedBuffer | None = buffer
         self._cache = cache
 
     def release(self) -> None:
-        if self._buffer is not None:
+        if self._buffer is not None and self._cache is not None:
             self._cache.put(self._buffer)
-            self._buffer = None
+        self._buffer = None
+
+
+#: where a job's results are to be written: a buffer, and out `[Tq, H, Dv]` and lse `[H, Tq]`
+#: fp32 (or None) as views of it
+Outputs = tuple[SharedBuffer, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(eq=False)
@@ -54,7 +60,6 @@ class PoolJob:
     _future: Future[PoolResult] = field(default_factory=Future)
     _pending: int = 0  # tasks not done yet; guarded by _lock (dispatcher threads finish them)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _on_cancel: Callable[[PoolJob], None] | None = None
     _finish: Callable[[PoolJob], None] | None = None
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -79,9 +84,10 @@ class PoolJob:
         return self._future.cancelled()
 
     def cancel(self) -> None:
-        on_cancel = self._on_cancel
-        if self._future.cancel() and on_cancel is not None:
-            on_cancel(self)
+        # The pool stops the busy workers from a callback on the future, so that cancelling
+        # the future itself (asyncio.wrap_future does, when its awaiter is cancelled) abandons
+        # the work just the same.
+        self._future.cancel()
 
     def _piece_done(self) -> None:
         with self._lock:

@@ -56,11 +56,13 @@ class Piece:
 @dataclass(frozen=True, slots=True)
 class BufferUse:
     """A shared buffer a task reads or writes; `sent`: its descriptor rides with the message
-    (the worker has not mapped it yet)."""
+    (the worker has not mapped it yet). A client's region is mapped without `populate`: its
+    untouched pages stay the client's to fault in."""
 
     id: int  # SharedBuffer.id
     nbytes: int
     sent: bool
+    populate: bool = True  # fault its pages in when mapping it (the pool's own buffers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -25,7 +26,7 @@ from ..kernels import select_kernel
 from ..topology import WorkerSlot, discover_ccxs, plan_workers
 from ._config import PoolConfig
 from ._dispatch import Dispatcher
-from ._job import PoolJob, PoolResult, _Task
+from ._job import Outputs, PoolJob, PoolResult, _Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
@@ -179,6 +180,11 @@ class WorkerPool:
         as `submit()`."""
         return self._cache.get(nbytes)
 
+    def adopt(self, fd: int, nbytes: int) -> SharedBuffer:
+        """A buffer over a client's memfd (`fd` is the buffer's from now on, and must not shrink
+        below `nbytes`), for `inputs=` and `outputs=`; workers unmap it once it is freed."""
+        return SharedBuffer.adopt(fd, nbytes, self._mappings.freed)
+
     def release(self, buf: SharedBuffer) -> None:
         self._cache.put(buf)
 
@@ -209,41 +215,49 @@ class WorkerPool:
         kernel: str,
         *,
         return_lse: bool,
-        inputs: SharedBuffer | None = None,
+        inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
+        outputs: Outputs | None = None,
     ) -> PoolJob:
-        """Queue a validated batch with a selected kernel name."""
+        """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
+        are read in place (else copied into shared memory once); `outputs` says where `out` and
+        `lse` are to be written (else in a buffer of the pool's)."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
         dv = batch.v_head_dim
-        out_bytes = aligned(tq * h * dv * batch.v.element_size())
-        out_buf = self._cache.get(out_bytes + (h * tq * 4 if return_lse else 0))
-        out = out_buf.tensor(0, (tq, h, dv), batch.v.dtype)
-        lse = out_buf.tensor(out_bytes, (h, tq), torch.float32) if return_lse else None
-
-        tensors: tuple[torch.Tensor, ...] = (batch.q, batch.k, batch.v)
-        staging: SharedBuffer | None = None
-        if inputs is not None and all(inputs.contains(t) for t in tensors):
-            src = inputs
+        if outputs is None:
+            out_bytes = aligned(tq * h * dv * batch.v.element_size())
+            out_buf = self._cache.get(out_bytes + (h * tq * 4 if return_lse else 0))
+            out = out_buf.tensor(0, (tq, h, dv), batch.v.dtype)
+            lse = out_buf.tensor(out_bytes, (h, tq), torch.float32) if return_lse else None
         else:
+            out_buf, out, lse = outputs
+
+        given = [inputs] if isinstance(inputs, SharedBuffer) else list(inputs or ())
+        tensors: tuple[torch.Tensor, ...] = (batch.q, batch.k, batch.v)
+        homes = [next((b for b in given if b.contains(t)), None) for t in tensors]
+        staging: SharedBuffer | None = None
+        if any(home is None for home in homes):
             # Inputs from ordinary memory: one copy into shared memory is unavoidable here.
             try:
                 staging, tensors, nbytes = self._cache.stage(tensors)
             except ServiceUnavailableError:
-                self._cache.put(out_buf)
+                if outputs is None:
+                    self._cache.put(out_buf)
                 raise
-            src = staging
+            homes = [staging] * 3
             self.staged_bytes += nbytes
+        q_home, k_home, v_home = (home for home in homes if home is not None)
 
         job = PoolJob(kernel=kernel)
-        buffers = [src, out_buf]
+        buffers = list({id(b): b for b in (q_home, k_home, v_home, out_buf)}.values())
         common = TaskSpec(
             kernel=kernel,
             causal=batch.causal,
             scale=batch.scale,
-            q=tensor_ref(src, tensors[0]),
-            k=tensor_ref(src, tensors[1]),
-            v=tensor_ref(src, tensors[2]),
+            q=tensor_ref(q_home, tensors[0]),
+            k=tensor_ref(k_home, tensors[1]),
+            v=tensor_ref(v_home, tensors[2]),
             out=tensor_ref(out_buf, out),
             lse=tensor_ref(out_buf, lse) if lse is not None else None,
         )
@@ -265,10 +279,11 @@ class WorkerPool:
         def finish(j: PoolJob) -> None:
             if staging is not None:
                 self._cache.put(staging)
-            j._succeed(PoolResult(out, lse, kernel, out_buf, self._cache))
+            cache = self._cache if outputs is None else None  # a caller's buffer stays theirs
+            j._succeed(PoolResult(out, lse, kernel, out_buf, cache))
 
         job._pending = len(tasks)
-        job._finish, job._on_cancel = finish, self._cancel
+        job._finish = finish
         if not tasks:
             finish(job)
             return job
@@ -279,14 +294,16 @@ class WorkerPool:
         # the plan's i-th share goes to the least-loaded worker, biggest share first
         for task in sorted(tasks, key=lambda t: -t.cost):
             self._enqueue(task)
-        job.future.add_done_callback(lambda _: self._forget(job))
+        job.future.add_done_callback(lambda future: self._settled(job, future.cancelled()))
         return job
 
-    def _forget(self, job: PoolJob) -> None:
+    def _settled(self, job: PoolJob, cancelled: bool) -> None:
+        if cancelled:  # abandoned: stop the workers busy with it, their CCXs are free at once
+            self._cancel(job)
         with self._lock:
             self._jobs.discard(job)
         # drop the closures holding the job's shared buffers: freed now, not at the next gc
-        job._finish = job._on_cancel = None
+        job._finish = None
 
     def run(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> PoolResult:
         """`submit(...)` and wait; on timeout the job is abandoned and TimeoutError raised."""

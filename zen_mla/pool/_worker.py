@@ -163,7 +163,7 @@ def main(
             if len(fds) != len(fresh):
                 raise OSError(f"{len(fresh)} shared buffers sent, {len(fds)} arrived")
             for b in fresh:
-                maps[b.id] = _map(fds.pop(0), b.nbytes)  # _map owns the descriptor
+                maps[b.id] = _map(fds.pop(0), b.nbytes, b.populate)  # _map owns the descriptor
             _run(spec, maps)
         except Exception as exc:  # reported, never fatal: the next task gets a clean slate
             for fd in fds:
@@ -175,12 +175,13 @@ def main(
             sender.send(Done(msg.task_id))
 
 
-def _map(fd: int, nbytes: int) -> Any:
+def _map(fd: int, nbytes: int, populate: bool) -> Any:
     """A uint8 tensor over the buffer behind `fd` (closed here; the mapping keeps it)."""
     import torch
 
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     try:
-        m = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        m = mmap.mmap(fd, max(nbytes, 1), flags=flags)
     finally:
         os.close(fd)
     return torch.frombuffer(m, dtype=torch.uint8)

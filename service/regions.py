@@ -1,0 +1,94 @@
+"""`/prefill` requests whose tensors lie in same-host regions (`zen_mla.region_request`): the
+body names places, the workers read and write the client's memory, and the answer names where
+the results are. The app admits, queues and times them as it does any `/prefill`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from fastapi.responses import Response
+
+from zen_mla import InvalidInputError, region_request
+from zen_mla.engine import PrefillEngine, PrefillRequest
+from zen_mla.kernels import KernelChoice
+from zen_mla.pool import Outputs, SharedBuffer
+from zen_mla.regions import RegionRegistry, check_disjoint
+from zen_mla.wire import NAMES, REQUEST_TENSORS, PrefillOptions, parse_options
+
+__all__ = ["RegionWork", "answer", "resolve"]
+
+_VALUES = ("BF16", "F16", "F32")
+_INDEXES = ("I32", "I64")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionWork:
+    """A region request, resolved: what to run, the buffers it reads, where it writes."""
+
+    prepared: PrefillRequest
+    inputs: list[SharedBuffer]
+    outputs: Outputs
+    places: dict[str, region_request.TensorPlace]
+    options: PrefillOptions
+
+
+def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> RegionWork:
+    """Every place checked against its region, outputs against the inputs and each other,
+    then the batch validated as any other; InvalidInputError names what is wrong."""
+    message = region_request.decode(body, region_request.REQUEST_NAMES)
+    options = parse_options(message.metadata)
+    places = message.places
+    tensors = {
+        name: registry.tensor(name, place, _INDEXES if name.endswith("seq_lens") else _VALUES)
+        for name, place in places.items()
+        if name in REQUEST_TENSORS
+    }
+    prepared = engine.prepare_tensors(
+        tensors,
+        causal=options.causal,
+        return_lse=options.return_lse,
+        scale=options.scale,
+        kernel=options.kernel,
+    )
+    batch = prepared.batch
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "out": ((batch.q.shape[0], batch.num_heads, batch.v_head_dim), batch.v.dtype)
+    }
+    if options.return_lse:
+        wanted["lse"] = ((batch.num_heads, batch.q.shape[0]), torch.float32)
+    extra = sorted(set(places) - set(REQUEST_TENSORS) - set(wanted))
+    if extra:
+        raise InvalidInputError(
+            extra[0], "no place for it (lse is written only with return_lse)", "one"
+        )
+    views = {}
+    for name, (shape, dtype) in wanted.items():
+        place = places.get(name)
+        if place is None:
+            raise InvalidInputError(name, "a place for it in a region", "none")
+        if place.shape != shape or place.dtype != NAMES[dtype]:
+            raise InvalidInputError(
+                name,
+                f"{NAMES[dtype]} {list(shape)}",
+                f"{place.dtype} {list(place.shape)}",
+            )
+        views[name] = registry.tensor(name, place, (NAMES[dtype],))
+    check_disjoint(places, tuple(wanted))
+    out_region = registry.resolve(places["out"].region)
+    if "lse" in places and places["lse"].region != places["out"].region:
+        raise InvalidInputError("lse", "a place in out's region", "another region")
+    inputs = [registry.resolve(places[n].region).buffer for n in ("q", "k", "v")]
+    outputs = (out_region.buffer, views["out"], views.get("lse"))
+    return RegionWork(prepared, inputs, outputs, places, options)
+
+
+def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> Response:
+    """Where the results were written, and what computed them."""
+    meta = {"kernel": kernels.out}
+    if kernels.lse is not None:
+        meta["lse_kernel"] = kernels.lse
+    if request_id:
+        meta["request_id"] = request_id
+    written = {n: p for n, p in work.places.items() if n in ("out", "lse")}
+    return Response(region_request.encode(written, meta), media_type=region_request.MEDIA_TYPE)

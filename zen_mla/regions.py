@@ -1,0 +1,144 @@
+"""Same-host regions: shared memory a client hands the service, by handle.
+
+A client creates a memfd sealed against shrinking and passes its descriptor over a Unix socket
+(SCM_RIGHTS, `region_server`); it gets an unguessable handle back, which its prefill requests
+name instead of sending tensor bytes (`region_request`). The service maps only memory handed to
+it this way. A region ends when its client unregisters it or closes the socket; a request in
+flight keeps its mapping alive until it finishes.
+
+`RegionRegistry` is owned by the event loop's thread (the region server and the HTTP handlers
+run there): it takes no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ._errors import InvalidInputError
+from ._memfd import check_sealed_memfd
+from .pool import SharedBuffer
+from .region_request import TensorPlace
+from .wire import DTYPES
+
+__all__ = ["Region", "RegionRegistry", "check_disjoint"]
+
+
+@dataclass(eq=False)
+class Region:
+    """A client's memfd, mapped here: `buffer` is what the workers are handed."""
+
+    handle: str
+    nbytes: int
+    inode: int
+    buffer: SharedBuffer
+
+
+class RegionRegistry:
+    """Regions by handle, with per-client limits on their number and bytes. A client's regions
+    are the dict it holds (`held`), so dropping a client drops exactly its own."""
+
+    def __init__(
+        self,
+        *,
+        max_regions: int,
+        max_bytes: int,
+        adopt: Callable[[int, int], SharedBuffer],
+    ) -> None:
+        self.max_regions, self.max_bytes = max_regions, max_bytes
+        self._adopt = adopt
+        self._regions: dict[str, Region] = {}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def register(self, fd: int, held: dict[str, Region]) -> Region:
+        """Take `fd` (closed here whatever happens; the mapping keeps the memory) as a new
+        region of the client whose regions are `held`."""
+        try:
+            nbytes = check_sealed_memfd(fd)
+            inode = os.fstat(fd).st_ino
+            if len(held) >= self.max_regions:
+                raise InvalidInputError(
+                    "region", f"at most {self.max_regions} regions per client", f"{len(held) + 1}"
+                )
+            total = sum(r.nbytes for r in held.values()) + nbytes
+            if total > self.max_bytes:
+                raise InvalidInputError(
+                    "region",
+                    f"at most {self.max_bytes} bytes of regions per client",
+                    f"{total} bytes",
+                    "Unregister regions you no longer use",
+                )
+            if any(r.inode == inode for r in held.values()):
+                raise InvalidInputError(
+                    "region", "each memfd registered once", "a memfd that is registered already"
+                )
+            buffer = self._adopt(os.dup(fd), nbytes)
+        finally:
+            os.close(fd)
+        region = Region(secrets.token_urlsafe(18), nbytes, inode, buffer)
+        self._regions[region.handle] = region
+        held[region.handle] = region
+        return region
+
+    def unregister(self, handle: str, held: dict[str, Region]) -> None:
+        if held.pop(handle, None) is None:
+            raise InvalidInputError("region", "a handle this client registered", _shown(handle))
+        del self._regions[handle]
+
+    def drop(self, held: dict[str, Region]) -> None:
+        for handle in held:
+            self._regions.pop(handle, None)
+        held.clear()
+
+    def resolve(self, handle: str) -> Region:
+        region = self._regions.get(handle)
+        if region is None:
+            raise InvalidInputError("region", "a registered region handle", _shown(handle))
+        return region
+
+    def tensor(self, name: str, place: TensorPlace, dtypes: tuple[str, ...]) -> torch.Tensor:
+        """The tensor `place` names, checked against its region, as a view of its mapping;
+        `dtypes` are the safetensors dtype names allowed for it."""
+        if place.dtype not in dtypes:
+            raise InvalidInputError(f"{name}.dtype", f"one of {', '.join(dtypes)}", place.dtype)
+        region = self.resolve(place.region)
+        dtype = DTYPES[place.dtype]
+        if place.offset % dtype.itemsize:
+            raise InvalidInputError(
+                f"{name}.offset",
+                f"a multiple of {dtype.itemsize} bytes ({place.dtype})",
+                str(place.offset),
+            )
+        end = place.offset + place.nbytes
+        if end > region.nbytes:
+            raise InvalidInputError(
+                name,
+                f"bytes [{place.offset}, {end}) inside its region of {region.nbytes} bytes",
+                f"a range past its end by {end - region.nbytes} bytes",
+            )
+        return region.buffer.tensor(place.offset, place.shape, dtype)
+
+
+def _shown(handle: str) -> str:
+    return repr(handle[:32])
+
+
+def check_disjoint(places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
+    """The tensors named `outputs` overlap neither each other nor any other tensor in `places`
+    (a worker writing them must not change what another worker reads)."""
+    spans = {n: (p.region, p.offset, p.offset + p.nbytes) for n, p in places.items() if p.nbytes}
+    for name in outputs:
+        if name not in spans:
+            continue
+        region, a, b = spans[name]
+        for other, (region2, c, d) in spans.items():
+            if other != name and region == region2 and a < d and c < b:
+                raise InvalidInputError(
+                    name, f"bytes overlapping no other tensor ({other}: [{c}, {d}))", f"[{a}, {b})"
+                )
