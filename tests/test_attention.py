@@ -2,59 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 import zen_mla
+from tests.batches import BATCH_SPECS, DTYPES, BatchSpec, cu_seq_lens, make_batch
 from tests.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
 
-
-@dataclass(frozen=True)
-class BatchSpec:
-    q_lens: list[int]
-    kv_lens: list[int] | None = None  # None: the same as q_lens (self-attention)
-
-
-BATCH_SPECS = {
-    "single": BatchSpec([37]),
-    "ragged": BatchSpec([5, 64, 1, 33, 130]),
-    "length_one": BatchSpec([1, 1, 1]),
-    "empty_requests": BatchSpec([0, 7, 0, 12, 0]),
-    "no_requests": BatchSpec([]),
-    "equal_runs": BatchSpec([16, 16, 16, 16, 9, 9, 16]),
-    "prefix_cached": BatchSpec([3, 16, 40, 1], [10, 16, 100, 64]),
-    "more_queries_than_keys": BatchSpec([10, 5, 6], [4, 0, 6]),
-    "context_chunk": BatchSpec([8, 20, 0], [50, 70, 9]),
-}
-
 HEAD_DIMS = {"mla_192_128": (3, 192, 128), "equal_64": (2, 64, 64)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = [
     pytest.param("zentorch", marks=pytest.mark.zentorch),
     "torch",
     "reference",
     "auto",
 ]
-
-
-def _cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()])
-
-
-def make_batch(spec: BatchSpec, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0):
-    h, dqk, dv = heads
-    kv_lens = spec.kv_lens if spec.kv_lens is not None else spec.q_lens
-    gen = torch.Generator().manual_seed(seed)
-    tq, tk = sum(spec.q_lens), sum(kv_lens)
-    q = torch.randn(tq, h, dqk, generator=gen).to(dtype)
-    k = torch.randn(tk, h, dqk, generator=gen).to(dtype)
-    v = torch.randn(tk, h, dv, generator=gen).to(dtype)
-    q_cu = _cu(spec.q_lens).to(torch.int32)
-    kv_cu = None if spec.kv_lens is None else _cu(kv_lens)
-    return q, k, v, q_cu, kv_cu
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -194,7 +156,7 @@ def test_context_chunks_merged_by_lse_equal_attention_over_everything(kernel):
     q = torch.randn(sum(new_lens), h, dqk, generator=gen).bfloat16()
     k_full = torch.randn(sum(full_lens), h, dqk, generator=gen).bfloat16()
     v_full = torch.randn(sum(full_lens), h, dv, generator=gen).bfloat16()
-    q_cu, full_cu = _cu(new_lens), _cu(full_lens)
+    q_cu, full_cu = cu_seq_lens(new_lens), cu_seq_lens(full_lens)
 
     def rows(cu, r, a, b):  # rows [a, b) of request r's keys
         return k_full[cu[r] + a : cu[r] + b], v_full[cu[r] + a : cu[r] + b]
@@ -205,7 +167,7 @@ def test_context_chunks_merged_by_lse_equal_attention_over_everything(kernel):
         ]
         ks, vs = zip(*pieces, strict=True)
         return zen_mla.ragged_attention(
-            q, torch.cat(ks), torch.cat(vs), q_cu, _cu(lens),
+            q, torch.cat(ks), torch.cat(vs), q_cu, cu_seq_lens(lens),
             causal=causal, return_lse=True, kernel=kernel,
         )  # fmt: skip
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zen_mla
+from tests.batches import BATCH_SPECS, BatchSpec, make_batch
 from tests.reference import assert_close_to_reference
-from tests.test_attention import BATCH_SPECS, BatchSpec, make_batch
 from zen_mla.pool import PoolConfig, WorkerPool
 
 CPUS = sorted(os.sched_getaffinity(0))

@@ -20,23 +20,12 @@ import pytest
 import torch
 
 import zen_mla
+from tests.batches import DTYPES, EMPTY_SPECS, BatchSpec, make_batch
 from tests.reference import assert_close_to_reference
-from tests.test_attention import BatchSpec, make_batch
 from zen_mla.pool import PoolConfig, WorkerPool
 
 CPUS = sorted(os.sched_getaffinity(0))
 ROOT = Path(__file__).resolve().parents[1]
-
-
-#: batches with nothing in them somewhere: no requests, no queries, no keys, some of each
-EMPTY_SPECS = {
-    "no_requests": BatchSpec([], []),
-    "no_queries": BatchSpec([0, 0], [5, 3]),
-    "no_keys": BatchSpec([1], [0]),
-    "no_keys_ragged": BatchSpec([3, 0, 2], [0, 0, 0]),
-    "some_of_each": BatchSpec([0, 4, 3, 0, 2], [5, 0, 3, 0, 6]),
-}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the pool's reference kernel runs on 1 thread here, the in-process one on all: fp32 sums in
 #: another order, so outputs may differ by a rounding step of their dtype
 ATOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}

@@ -19,8 +19,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.service.conftest import ROOT, Server, serve
-from tests.service.test_status_codes import OCTET, body_of, good_tensors, slow_tensors
+from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
+from tests.service.servers import ROOT, Server, serve
 
 MIB = 1 << 20
 

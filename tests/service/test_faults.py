@@ -14,9 +14,9 @@ from urllib.parse import urlparse
 import torch
 
 import zen_mla
-from tests.service.conftest import serve
-from tests.service.test_status_codes import OCTET, body_of, slow_tensors, wait_ready
-from tests.test_attention import BATCH_SPECS, make_batch
+from tests.batches import BATCH_SPECS, make_batch
+from tests.service.bodies import OCTET, body_of, slow_tensors
+from tests.service.servers import serve, wait_ready
 
 
 def tree(server) -> list[int]:

@@ -18,20 +18,12 @@ import pytest
 import torch
 
 import zen_mla
-from tests.service.conftest import Server, serve
-from tests.test_attention import BatchSpec, make_batch
+from tests.batches import DTYPES, EMPTY_SPECS, BatchSpec, make_batch
+from tests.service.bodies import OCTET
+from tests.service.servers import Server, serve
 from zen_mla import wire
 from zen_mla.client import PrefillClient
 
-OCTET = {"Content-Type": "application/octet-stream"}
-EMPTY_SPECS = {
-    "no_requests": BatchSpec([], []),
-    "no_queries": BatchSpec([0, 0], [5, 3]),
-    "no_keys": BatchSpec([1], [0]),
-    "no_keys_ragged": BatchSpec([3, 0, 2], [0, 0, 0]),
-    "some_of_each": BatchSpec([0, 4, 3, 0, 2], [5, 0, 3, 0, 6]),
-}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the server's kernel against the library's fp32 reference: a rounding step of the dtype
 ATOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import zen_mla
+from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
-from tests.test_attention import BATCH_SPECS, make_batch
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 
 MLA = (4, 192, 128)

@@ -16,34 +16,9 @@ import pytest
 import torch
 
 import zen_mla
-from tests.service.conftest import serve
-from tests.test_attention import BATCH_SPECS, make_batch
-from zen_mla import wire
+from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
+from tests.service.servers import serve, wait_ready
 from zen_mla.client import PrefillClient
-
-OCTET = {"Content-Type": "application/octet-stream"}
-
-
-def body_of(tensors, meta=None) -> bytes:
-    header, chunks = wire.encode(tensors, meta)
-    return header + b"".join(bytes(c) for c in chunks)
-
-
-def good_tensors():
-    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 32), torch.bfloat16)
-    return {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
-
-
-def slow_tensors(tokens: int = 3000, heads: int = 8):
-    """Work for the fp32 reference kernel, sent non-causal: 3000 tokens ~0.4 s, 6000 ~1.6 s,
-    8000 ~3 s on this 2-core machine (the 1 s deadline and the kill tests need the margin)."""
-    x = torch.randn(tokens, heads, 192).bfloat16()
-    return {
-        "q": x,
-        "k": x,
-        "v": x[..., :128].contiguous(),
-        "q_cu_seq_lens": torch.tensor([0, tokens]),
-    }
 
 
 def prefill_once(url: str, tensors: dict, **kwargs):
@@ -60,16 +35,6 @@ def assert_problem(r: httpx.Response, status: int, **fields: str):
     for key, part in fields.items():
         assert part in str(problem[key]), problem
     return problem
-
-
-def wait_ready(server, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while True:
-        health = server.health()
-        if health["status"] == "ok" and all(w["alive"] for w in health["workers"]):
-            return health
-        assert time.monotonic() < deadline, health
-        time.sleep(0.1)
 
 
 def assert_healthy(server):

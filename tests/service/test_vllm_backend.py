@@ -14,7 +14,7 @@ import torch
 import zen_mla
 from tests.prefill_steps import STEP_SPECS, make_step
 from tests.reference import assert_close_to_reference, attention_fp64
-from tests.service.conftest import serve
+from tests.service.servers import serve
 from zen_mla.client import PrefillClient
 from zen_mla.merge import merge_attn_states
 from zen_mla.vllm import (
