@@ -17,7 +17,8 @@
     │   └── ServiceUnavailableError         not ready, or draining                       503
     │       └── PoolClosedError             the worker pool is shut down                 503
     ├── DeadlineExceededError (TimeoutError) past the request deadline, work abandoned   504
-    └── KernelError (RuntimeError)          a kernel or worker failed on valid input     500
+    ├── KernelError (RuntimeError)          a kernel or worker failed on valid input     500
+    └── SharedMemoryUnavailableError        client side: no same-host regions to be had     -
 
 `STATUS` maps each class to its status and `BY_STATUS` back; the service answers with the first
 and the client raises with the second, so an error arrives as the class it left as.
@@ -41,6 +42,7 @@ __all__ = [
     "RequestRejectedError",
     "RequestTimeoutError",
     "ServiceUnavailableError",
+    "SharedMemoryUnavailableError",
     "UnauthorizedError",
     "UnsupportedMediaTypeError",
     "WireFormatError",
@@ -138,6 +140,11 @@ class DeadlineExceededError(ZenMLAError, TimeoutError):
 
 class KernelError(ZenMLAError, RuntimeError):
     """A kernel or worker failed on input that passed validation."""
+
+
+class SharedMemoryUnavailableError(ZenMLAError):
+    """A client asked for same-host regions (`shared_memory=True`) where the service offers
+    none, or their socket cannot be reached from this host; the message says which."""
 
 
 STATUS: dict[type[ZenMLAError], int] = {

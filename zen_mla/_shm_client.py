@@ -21,20 +21,16 @@ from typing import Any
 
 import torch
 
-from ._errors import BY_STATUS, ZenMLAError
+from ._errors import BY_STATUS, SharedMemoryUnavailableError, ZenMLAError
 from ._memfd import create_sealed_memfd
 from ._region_wire import recv_frame, send_frame
 from .region_request import TensorPlace
 from .wire import NAMES
 
-__all__ = ["ClientRegion", "RegionClient", "RegionSet", "SharedMemoryUnavailableError"]
+__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet"]
 
 ALIGN = 64
 MIN_SCRATCH = 16 << 20
-
-
-class SharedMemoryUnavailableError(Exception):
-    """Shared memory cannot be had from this service (the message says why)."""
 
 
 def _aligned(n: int) -> int:
@@ -190,47 +186,35 @@ class RegionSet:
                 while len(self._free) > 2:  # keep the two largest: concurrent callers reuse them
                     self.client.unregister(self._free.pop().handle)
 
-    def layout(
-        self, tensors: dict[str, torch.Tensor], return_lse: bool
-    ) -> tuple[int, list[tuple[str, torch.Tensor, int]]]:
-        """Bytes of scratch a request needs, and the tensors that must be copied there, with
-        their offsets (tensors in `empty()` regions are named where they lie)."""
-        copies, offset = [], 0
-        for name, t in tensors.items():
-            if self.where(t) is None:
-                copies.append((name, t, offset))
-                offset += _aligned(t.numel() * t.element_size())
+    @contextlib.contextmanager
+    def request(self, tensors: dict[str, torch.Tensor], return_lse: bool) -> Iterator[Layout]:
+        """Lay a request out in a scratch region (tensors in `empty()` regions are named where
+        they lie, the others copied once) and yield where everything is; the region is this
+        caller's until the block ends."""
+        moved = {n: t for n, t in tensors.items() if self.where(t) is None}
+        sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
         q, v = tensors["q"], tensors["v"]
-        offset += _aligned(q.shape[0] * q.shape[1] * v.shape[2] * v.element_size())
-        if return_lse:
-            offset += _aligned(q.shape[1] * q.shape[0] * 4)
-        return offset, copies
-
-    def place(
-        self, region: ClientRegion, tensors: dict[str, torch.Tensor], return_lse: bool
-    ) -> Layout:
-        """Copy what `layout` said into `region` and name every tensor's place."""
-        _, copies = self.layout(tensors, return_lse)
-        places: dict[str, TensorPlace] = {}
-        end = 0
-        for name, t, offset in copies:
-            region.tensor(offset, t.shape, t.dtype).copy_(t)  # the one copy (device -> host)
-            places[name] = region.place(offset, t)
-            end = offset + _aligned(t.numel() * t.element_size())
-        for name, t in tensors.items():
-            if name not in places:
-                found = self.where(t)
-                assert found is not None
-                places[name] = found
-        q, v = tensors["q"], tensors["v"]
-        out = region.tensor(end, (q.shape[0], q.shape[1], v.shape[2]), v.dtype)
-        places["out"] = region.place(end, out)
-        end += _aligned(out.numel() * out.element_size())
-        lse = None
-        if return_lse:
-            lse = region.tensor(end, (q.shape[1], q.shape[0]), torch.float32)
-            places["lse"] = region.place(end, lse)
-        return Layout(places, out, lse)
+        out_shape = (q.shape[0], q.shape[1], v.shape[2])
+        out_bytes = _aligned(out_shape[0] * out_shape[1] * out_shape[2] * v.element_size())
+        lse_bytes = _aligned(q.shape[0] * q.shape[1] * 4) if return_lse else 0
+        with self.scratch(sum(sizes.values()) + out_bytes + lse_bytes) as region:
+            places, offset = {}, 0
+            for name, t in moved.items():
+                region.tensor(offset, t.shape, t.dtype).copy_(t)  # the one copy (also from CUDA)
+                places[name] = region.place(offset, t)
+                offset += sizes[name]
+            for name, t in tensors.items():
+                if name not in places:
+                    found = self.where(t)
+                    assert found is not None
+                    places[name] = found
+            out = region.tensor(offset, out_shape, v.dtype)
+            places["out"] = region.place(offset, out)
+            lse = None
+            if return_lse:
+                lse = region.tensor(offset + out_bytes, (q.shape[1], q.shape[0]), torch.float32)
+                places["lse"] = region.place(offset + out_bytes, lse)
+            yield Layout(places, out, lse)
 
     def close(self) -> None:
         self.client.close()

@@ -10,11 +10,18 @@ zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-Afte
 Given several endpoints (`PrefillClient(["http://a:8000", "http://b:8000"])`), each request goes
 to the one with the least outstanding work (attention pairs in flight); an unreachable or
 overloaded endpoint is passed over for another.
+
+On the service's host, tensors need not cross a socket: with `shared_memory=None` (the default)
+the client uses same-host regions wherever the service offers them and their socket can be
+reached from here, `True` requires them, `False` never uses them. A request's tensors are then
+copied once into a region the client holds (or not at all, for tensors made with `empty()`),
+and the workers read them and write the results there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -24,16 +31,18 @@ from typing import Any
 import httpx
 import torch
 
-from . import _errors, wire
+from . import _errors, region_request, wire
 from ._errors import (
     BY_STATUS,
     DeadlineExceededError,
     InvalidInputError,
     OverloadedError,
     ServiceUnavailableError,
+    SharedMemoryUnavailableError,
     ZenMLAError,
 )
 from ._ragged import visible_pairs
+from ._shm_client import Layout, RegionClient, RegionSet
 
 __all__ = ["AsyncPrefillClient", "PrefillClient"]
 
@@ -61,12 +70,7 @@ def _request(
     request_id: str | None,
 ) -> tuple[torch.device, list[bytes | memoryview], int]:
     device = q.device
-    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu_seq_lens}
-    if kv_cu_seq_lens is not None:
-        tensors["kv_cu_seq_lens"] = kv_cu_seq_lens
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+    tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
     meta = wire.options_metadata(
         causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
     )
@@ -130,6 +134,69 @@ def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causa
         visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
     )
     return int(q.shape[1]) * pairs if q.ndim == 3 else pairs
+
+
+def _regions_of(health: dict[str, Any], token: str | None, required: bool) -> RegionSet | None:
+    """The same-host regions of the service whose /health this is, or None where they cannot
+    be had (SharedMemoryUnavailableError instead when `required`). The region socket must
+    answer with the instance /health names: a path that exists here may belong to another
+    service than the one at this URL."""
+    offer = health.get("shared_memory")
+    try:
+        if not isinstance(offer, dict) or not offer.get("socket"):
+            raise SharedMemoryUnavailableError("the service offers no shared memory")
+        client = RegionClient(str(offer["socket"]), token)
+        if client.hello.get("instance") != offer.get("instance"):
+            client.close()
+            raise SharedMemoryUnavailableError(
+                f"the region socket {offer['socket']} belongs to another service (not this host's?)"
+            )
+    except SharedMemoryUnavailableError:
+        if required:
+            raise
+        return None
+    return RegionSet(client)
+
+
+def _region_headers(token: str | None) -> dict[str, str]:
+    headers = {"Content-Type": region_request.MEDIA_TYPE}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _tensors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu_seq_lens}
+    if kv_cu_seq_lens is not None:
+        tensors["kv_cu_seq_lens"] = kv_cu_seq_lens
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+        if name in ("q", "k", "v") and t.ndim != 3:
+            raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
+    return tensors
+
+
+def _answered(
+    status: int, body: bytes, headers: httpx.Headers, layout: Layout, device: torch.device
+) -> PrefillResult:
+    """The results a region request's answer points at, copied out of the scratch region (which
+    the next request reuses), on the caller's device."""
+    if status != 200:
+        raise _error(status, body, headers)
+    answer = region_request.decode(body, wire.RESPONSE_TENSORS)
+    if answer.places.get("out") != layout.places["out"]:
+        raise _errors.KernelError("the service answered with another place for out")
+    out = layout.out.to(device, copy=True)
+    if layout.lse is None:
+        return out
+    return out, layout.lse.to(device, copy=True)
 
 
 class _Balancer:
@@ -210,6 +277,7 @@ class PrefillClient:
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retries: int = 3,
         transport: httpx.BaseTransport | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.HTTPTransport(uds=uds)
@@ -217,6 +285,29 @@ class PrefillClient:
         self._http = [httpx.Client(base_url=u, timeout=timeout, transport=transport) for u in urls]
         self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
+        self._shared_memory = shared_memory
+        # per endpoint: its regions, None where there are none, missing until first asked
+        self._regions: dict[int, RegionSet | None] = {}
+        self._regions_lock = threading.Lock()
+
+    def regions(self, i: int = 0) -> RegionSet | None:
+        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        if self._shared_memory is False:
+            return None
+        with self._regions_lock:
+            if i not in self._regions:
+                health = self._http[i].get("/health").json()
+                self._regions[i] = _regions_of(health, self._token, bool(self._shared_memory))
+            return self._regions[i]
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in a region of the first endpoint's service: fill it and pass it to
+        `prefill`, which then sends no copy of it (SharedMemoryUnavailableError where the
+        service offers no regions reachable from here)."""
+        regions = self.regions(0)
+        if regions is None:
+            raise SharedMemoryUnavailableError("shared memory is off for this client")
+        return regions.empty(shape, dtype)
 
     def prefill(
         self,
@@ -233,15 +324,25 @@ class PrefillClient:
         request_id: str | None = None,
     ) -> PrefillResult:
         """As `zen_mla.ragged_attention`, computed by the service."""
-        device, parts, length = _request(
-            q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
+        options = wire.options_metadata(
+            causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
+        tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        body: tuple[torch.device, list[bytes | memoryview], int] | None = None
         work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
         for attempt in itertools.count():
             i = self._balancer.pick(tried)
             self._balancer.begin(i, work)
             try:
-                return self._post(self._http[i], parts, length, device, return_lse)
+                regions = self.regions(i)
+                if regions is not None:
+                    return self._post_regions(i, regions, tensors, options, return_lse)
+                if body is None:
+                    body = _request(
+                        q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale,
+                        kernel, request_id,
+                    )  # fmt: skip
+                return self._post(self._http[i], body[1], body[2], body[0], return_lse)
             except (OverloadedError, httpx.TransportError) as exc:
                 wait = _next_step(
                     exc, i, tried, len(self._http), attempt, self._retries, self._balancer
@@ -273,6 +374,19 @@ class PrefillClient:
                 pos += len(chunk)
         return _decode(buf, device, return_lse)
 
+    def _post_regions(
+        self,
+        i: int,
+        regions: RegionSet,
+        tensors: dict[str, torch.Tensor],
+        options: dict[str, str],
+        return_lse: bool,
+    ) -> PrefillResult:
+        with regions.request(tensors, return_lse) as layout:
+            body = region_request.encode(layout.places, options)
+            r = self._http[i].post("/prefill", content=body, headers=_region_headers(self._token))
+            return _answered(r.status_code, r.content, r.headers, layout, tensors["q"].device)
+
     def health(self) -> dict[str, Any]:
         """The first endpoint's /health JSON (also when it answers 503)."""
         result: dict[str, Any] = self._http[0].get("/health").json()
@@ -281,6 +395,9 @@ class PrefillClient:
     def close(self) -> None:
         for http in self._http:
             http.close()
+        for regions in self._regions.values():
+            if regions is not None:
+                regions.close()
 
     def __enter__(self) -> PrefillClient:
         return self
@@ -301,6 +418,7 @@ class AsyncPrefillClient:
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retries: int = 3,
         transport: httpx.AsyncBaseTransport | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds)
@@ -310,6 +428,28 @@ class AsyncPrefillClient:
         ]
         self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
+        self._shared_memory = shared_memory
+        self._regions: dict[int, RegionSet | None] = {}  # as PrefillClient's
+        self._regions_lock = asyncio.Lock()
+
+    async def regions(self, i: int = 0) -> RegionSet | None:
+        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        if self._shared_memory is False:
+            return None
+        async with self._regions_lock:
+            if i not in self._regions:
+                health = (await self._http[i].get("/health")).json()
+                self._regions[i] = await asyncio.to_thread(
+                    _regions_of, health, self._token, bool(self._shared_memory)
+                )
+            return self._regions[i]
+
+    async def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """As `PrefillClient.empty`."""
+        regions = await self.regions(0)
+        if regions is None:
+            raise SharedMemoryUnavailableError("shared memory is off for this client")
+        return await asyncio.to_thread(regions.empty, shape, dtype)
 
     async def prefill(
         self,
@@ -325,15 +465,25 @@ class AsyncPrefillClient:
         kernel: str = "auto",
         request_id: str | None = None,
     ) -> PrefillResult:
-        device, parts, length = _request(
-            q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale, kernel, request_id
+        options = wire.options_metadata(
+            causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
+        tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        body: tuple[torch.device, list[bytes | memoryview], int] | None = None
         work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
         for attempt in itertools.count():
             i = self._balancer.pick(tried)
             self._balancer.begin(i, work)
             try:
-                return await self._post(self._http[i], parts, length, device, return_lse)
+                regions = await self.regions(i)
+                if regions is not None:
+                    return await self._post_regions(i, regions, tensors, options, return_lse)
+                if body is None:
+                    body = _request(
+                        q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale,
+                        kernel, request_id,
+                    )  # fmt: skip
+                return await self._post(self._http[i], body[1], body[2], body[0], return_lse)
             except (OverloadedError, httpx.TransportError) as exc:
                 wait = _next_step(
                     exc, i, tried, len(self._http), attempt, self._retries, self._balancer
@@ -367,6 +517,27 @@ class AsyncPrefillClient:
                 pos += len(chunk)
         return _decode(buf, device, return_lse)
 
+    async def _post_regions(
+        self,
+        i: int,
+        regions: RegionSet,
+        tensors: dict[str, torch.Tensor],
+        options: dict[str, str],
+        return_lse: bool,
+    ) -> PrefillResult:
+        # the copies into the region and out of it run in a thread: the event loop stays free
+        stack = contextlib.ExitStack()
+        layout = await asyncio.to_thread(stack.enter_context, regions.request(tensors, return_lse))
+        with stack:
+            body = region_request.encode(layout.places, options)
+            r = await self._http[i].post(
+                "/prefill", content=body, headers=_region_headers(self._token)
+            )
+            device = tensors["q"].device
+            return await asyncio.to_thread(
+                _answered, r.status_code, r.content, r.headers, layout, device
+            )
+
     async def health(self) -> dict[str, Any]:
         result: dict[str, Any] = (await self._http[0].get("/health")).json()
         return result
@@ -374,6 +545,9 @@ class AsyncPrefillClient:
     async def aclose(self) -> None:
         for http in self._http:
             await http.aclose()
+        for regions in self._regions.values():
+            if regions is not None:
+                regions.close()
 
     async def __aenter__(self) -> AsyncPrefillClient:
         return self

@@ -1,0 +1,288 @@
+"""Same-host regions on real servers: memfds handed over the region socket, requests that name
+places instead of carrying bytes, both clients, and every bad request a 4xx that leaves the
+service healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+import zen_mla
+from tests.batches import BATCH_SPECS, make_batch
+from tests.reference import assert_close_to_reference
+from tests.service.servers import ROOT, serve
+from zen_mla import region_request as rr
+from zen_mla._memfd import create_sealed_memfd
+from zen_mla._region_wire import recv_frame, send_frame
+from zen_mla._shm_client import ClientRegion, RegionClient
+from zen_mla.client import AsyncPrefillClient, PrefillClient
+
+pytestmark = pytest.mark.slow
+REGION_JSON = {"Content-Type": rr.MEDIA_TYPE}
+
+
+def _offer(server) -> dict:
+    offer = server.health()["shared_memory"]
+    assert offer and os.path.exists(offer["socket"]), offer
+    assert (os.stat(offer["socket"]).st_mode & 0o777) == 0o600
+    return offer
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
+def test_round_trip_through_regions(server, spec, return_lse):
+    q, k, v, q_cu, kv_cu = make_batch(spec, (3, 192, 128), torch.bfloat16)
+    causal = spec.kv_lens is None
+    with PrefillClient(server.url, shared_memory=True) as client:
+        got = client.prefill(q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse)
+        assert client.regions(0) is not None
+    out, lse = got if return_lse else (got, None)
+    assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, out, lse)
+
+
+def test_async_client_and_tensors_built_in_a_region(server):
+    q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["prefix_cached"], (2, 192, 128), torch.bfloat16)
+
+    async def main():
+        async with AsyncPrefillClient(server.url, shared_memory=True) as client:
+            qe = await client.empty(q.shape, q.dtype)
+            qe.copy_(q)
+            both = await asyncio.gather(
+                client.prefill(qe, k, v, q_cu, kv_cu, return_lse=True),
+                client.prefill(q, k, v, q_cu, kv_cu, return_lse=True),
+            )
+            return both, (await client.regions()).where(qe)
+
+    (first, second), place = asyncio.run(main())
+    assert place is not None and place.offset == 0  # named where it lies, not copied
+    for out, lse in (first, second):
+        assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_automatic_choice_and_refusal(tmp_path, server):
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
+    with PrefillClient(server.url) as client:  # None: used where offered and reachable
+        client.prefill(q, k, v, q_cu)
+        assert client.regions(0) is not None
+    with serve(tmp_path, workers=1, shared_memory=False) as plain:
+        assert plain.health()["shared_memory"] is None
+        with PrefillClient(plain.url) as client:
+            assert_close_to_reference(q, k, v, q_cu, None, True, client.prefill(q, k, v, q_cu))
+            assert client.regions(0) is None
+        with (
+            PrefillClient(plain.url, shared_memory=True) as client,
+            pytest.raises(zen_mla.SharedMemoryUnavailableError, match="offers no"),
+        ):
+            client.prefill(q, k, v, q_cu)
+        body = rr.encode({"q": rr.TensorPlace("h", 0, "F32", (1, 1, 1))})
+        with plain.client() as c:
+            r = c.post("/prefill", content=body, headers=REGION_JSON)
+        assert r.status_code == 415
+
+
+def _region(client: RegionClient, nbytes: int) -> ClientRegion:
+    return ClientRegion(client, nbytes)
+
+
+def _places(region: ClientRegion, tokens: int, lse: bool):
+    """q, k, v, cu and out (and lse) laid out one after another in `region`, filled."""
+    h, dqk, dv = 2, 64, 32
+    q = region.tensor(0, (tokens, h, dqk), torch.float32)
+    k = region.tensor(q.nbytes, (tokens, h, dqk), torch.float32)
+    v = region.tensor(2 * q.nbytes, (tokens, h, dv), torch.float32)
+    off = 2 * q.nbytes + v.nbytes
+    cu = region.tensor(off, (2,), torch.int64)
+    out = region.tensor(off + 64, (tokens, h, dv), torch.float32)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape))
+    cu.copy_(torch.tensor([0, tokens]))
+    places = {
+        "q": region.place(0, q),
+        "k": region.place(q.nbytes, k),
+        "v": region.place(2 * q.nbytes, v),
+        "q_cu_seq_lens": region.place(off, cu),
+        "out": region.place(off + 64, out),
+    }
+    if lse:
+        lse_t = region.tensor(off + 64 + out.nbytes, (h, tokens), torch.float32)
+        places["lse"] = region.place(off + 64 + out.nbytes, lse_t)
+    return places, (q, k, v, cu, out)
+
+
+def _post(server, places, meta=None):
+    with server.client() as c:
+        return c.post("/prefill", content=rr.encode(places, meta), headers=REGION_JSON)
+
+
+def test_a_request_by_hand_writes_out_in_place_and_says_where(server):
+    offer = _offer(server)
+    client = RegionClient(offer["socket"], None)
+    try:
+        assert client.hello["instance"] == offer["instance"]
+        region = _region(client, 1 << 20)
+        places, (q, k, v, cu, out) = _places(region, 100, lse=False)
+        r = _post(server, places, {"request_id": "by-hand"})
+        assert r.status_code == 200, r.text
+        answer = rr.decode(r.content, frozenset({"out", "lse"}))
+        assert answer.places == {"out": places["out"]}
+        assert answer.metadata["request_id"] == "by-hand" and answer.metadata["kernel"]
+        assert "server-timing" in r.headers
+        assert_close_to_reference(q, k, v, cu, None, True, out)
+    finally:
+        client.close()
+
+
+def _as(p: rr.TensorPlace, dtype: str, shape: tuple[int, ...]) -> rr.TensorPlace:
+    return rr.TensorPlace(p.region, p.offset, dtype, shape)
+
+
+BAD_PLACES = {
+    "forged_handle": lambda p: p | {"q": rr.TensorPlace("A" * 24, 0, *_dt_shape(p["q"]))},
+    "past_the_end": lambda p: p | {"k": _moved(p["k"], (1 << 20) - 64)},
+    "misaligned": lambda p: p | {"k": _moved(p["k"], p["k"].offset + 2)},
+    "out_over_q": lambda p: p | {"out": _moved(p["out"], p["q"].offset)},
+    "out_wrong_shape": lambda p: p | {"out": _as(p["out"], "F32", (1, 2, 32))},
+    "out_wrong_dtype": lambda p: p | {"out": _as(p["out"], "BF16", p["out"].shape)},
+    "no_out": lambda p: {n: x for n, x in p.items() if n != "out"},
+    "lse_without_return_lse": lambda p: p | {"lse": _moved(p["out"], p["out"].offset + 4096)},
+    "cu_as_floats": lambda p: p | {"q_cu_seq_lens": _as(p["q_cu_seq_lens"], "F32", (2,))},
+    "q_too_long_for_cu": lambda p: p | {"q": _as(p["q"], "F32", (101, 2, 64))},
+}
+
+
+def _dt_shape(p: rr.TensorPlace):
+    return p.dtype, p.shape
+
+
+def _moved(p: rr.TensorPlace, offset: int) -> rr.TensorPlace:
+    return rr.TensorPlace(p.region, offset, p.dtype, p.shape)
+
+
+@pytest.mark.parametrize("bad", BAD_PLACES.values(), ids=BAD_PLACES.keys())
+def test_bad_places_are_4xx_naming_what_is_wrong(server, bad):
+    client = RegionClient(_offer(server)["socket"], None)
+    try:
+        places, _ = _places(_region(client, 1 << 20), 100, lse=False)
+        r = _post(server, bad(places))
+        assert r.status_code in (400, 422), r.text
+        problem = r.json()
+        assert problem["status"] == r.status_code and problem["detail"]
+    finally:
+        client.close()
+    assert server.health()["status"] == "ok"
+
+
+def test_a_region_unregistered_or_its_client_gone_is_no_longer_named(server):
+    client = RegionClient(_offer(server)["socket"], None)
+    region = _region(client, 1 << 20)
+    places, _ = _places(region, 50, lse=True)
+    assert _post(server, places, {"return_lse": "true"}).status_code == 200
+    client.unregister(region.handle)
+    r = _post(server, places, {"return_lse": "true"})
+    assert r.status_code == 422 and "registered region" in r.json()["detail"]
+    other = RegionClient(_offer(server)["socket"], None)
+    region = _region(other, 1 << 20)
+    places, _ = _places(region, 50, lse=False)
+    other.close()  # the socket closes: its regions end
+    deadline = time.monotonic() + 10
+    while _post(server, places).status_code != 422:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.close()
+
+
+def test_descriptors_that_are_not_sealed_memfds_are_refused(server, tmp_path):
+    path = _offer(server)["socket"]
+    unsealed = os.memfd_create("x", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4096)
+    plain = os.open(tmp_path / "file", os.O_CREAT | os.O_RDWR)
+    r, w = os.pipe()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        send_frame(sock, {"op": "hello"})
+        assert recv_frame(sock)["ok"]
+        for fd, says in ((unsealed, "can shrink"), (plain, "memfd"), (r, "memfd")):
+            send_frame(sock, {"op": "register"}, fd)
+            reply = recv_frame(sock)
+            assert not reply["ok"] and reply["status"] == 422 and says in reply["error"]
+        send_frame(sock, {"op": "register"})  # no descriptor at all
+        assert recv_frame(sock)["status"] == 422
+        send_frame(sock, {"op": "unregister", "region": "nope"})
+        assert recv_frame(sock)["status"] == 422
+        sealed = create_sealed_memfd(1 << 16)
+        send_frame(sock, {"op": "register"}, sealed)
+        first = recv_frame(sock)
+        send_frame(sock, {"op": "register"}, sealed)  # the same memfd again
+        assert first["ok"] and not recv_frame(sock)["ok"]
+        sock.sendall(b"\xff\xff\xff\xff")  # a frame announcing 4 GiB: dropped
+        assert sock.recv(1) == b""
+    for fd in (unsealed, plain, r, w, sealed):
+        os.close(fd)
+    assert server.health()["status"] == "ok"
+
+
+def test_the_token_guards_the_region_socket(tmp_path):
+    with serve(tmp_path, workers=1, api_token="s3cret") as guarded:
+        path = guarded.health()["shared_memory"]["socket"]
+        with pytest.raises(zen_mla.SharedMemoryUnavailableError, match="token"):
+            RegionClient(path, "wrong")
+        client = RegionClient(path, "s3cret")
+        client.close()
+        q, k, v, q_cu, _ = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
+        with PrefillClient(guarded.url, token="s3cret", shared_memory=True) as c:
+            assert_close_to_reference(q, k, v, q_cu, None, True, c.prefill(q, k, v, q_cu))
+
+
+KILLED_CLIENT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from zen_mla.client import PrefillClient
+c = PrefillClient({url!r}, shared_memory=True)
+q = torch.randn(6000, 8, 64)
+print("go", flush=True)
+c.prefill(q, q, q, torch.tensor([0, 6000]), kernel="reference", causal=False)
+"""
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _memfd_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("/memfd:zen-mla-region" in line for line in f)
+
+
+def test_a_client_killed_mid_request_leaks_nothing(server):
+    pid = server.process.pid
+    before = (_fds(pid), _memfd_maps(pid))
+    for _ in range(3):
+        code = KILLED_CLIENT.format(root=str(ROOT), url=server.url)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert child.stdout is not None and child.stdout.readline().strip() == b"go"
+        child.stdout.close()
+        deadline = time.monotonic() + 30
+        while server.health()["queued"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    deadline = time.monotonic() + 60
+    while server.health()["queued"] or (_fds(pid), _memfd_maps(pid)) > before:
+        assert time.monotonic() < deadline, (before, _fds(pid), _memfd_maps(pid))
+        time.sleep(0.1)
+    health = server.health()
+    assert health["status"] == "ok", json.dumps(health)
+    with httpx.Client() as c:
+        assert c.get(server.url + "/health").status_code == 200
