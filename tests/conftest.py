@@ -4,6 +4,10 @@ import pytest
 
 import zen_mla
 
+#: fixtures that start worker processes: a test that uses one is slow (tests/service/conftest.py
+#: marks the tests that start servers)
+STARTS_WORKERS = {"pool", "engine"}
+
 
 def _zentorch_reason() -> str:
     status = zen_mla.zentorch_status()
@@ -11,6 +15,9 @@ def _zentorch_reason() -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if STARTS_WORKERS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     reason = _zentorch_reason()
     if not reason:
         return
