@@ -18,7 +18,10 @@ COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu \
     && pip install --no-cache-dir zentorch==2.13.0.2 /wheels/*.whl \
     && rm -rf /wheels \
-    && useradd --create-home --uid 10001 zen
+    && useradd --create-home --uid 10001 zen \
+    && install -d -o 10001 -g 10001 -m 0700 /run/zen-mla
+# /run/zen-mla holds the region socket (same-host shared memory); a volume mounted there starts
+# with this owner and mode
 USER 10001
 WORKDIR /home/zen
 EXPOSE 8000
