@@ -239,7 +239,9 @@ def test_503_while_draining_and_in_flight_work_finishes(tmp_path):
             assert c.get("/health/live").status_code == 200
             t = threading.Thread(target=run)
             t.start()
+            deadline = time.monotonic() + 30
             while server.health()["inflight"] < 1:
+                assert time.monotonic() < deadline, results  # answered at once, or never came
                 time.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
             time.sleep(0.3)
