@@ -170,6 +170,29 @@ class BufferCache:
             offset += size
         return buf, tuple(staged), sum(sizes)
 
+    def place(
+        self, tensors: Sequence[torch.Tensor], given: Sequence[SharedBuffer]
+    ) -> tuple[list[SharedBuffer], tuple[torch.Tensor, ...], SharedBuffer | None, int]:
+        """Each tensor's buffer among `given` where all lie in one of them (read in place);
+        else copies of them all in a staged buffer from the cache (returned third, with the
+        bytes copied)."""
+        homes = [next((b for b in given if b.contains(t)), None) for t in tensors]
+        if all(home is not None for home in homes):
+            return [h for h in homes if h is not None], tuple(tensors), None, 0
+        # Inputs from ordinary memory: one copy into shared memory is unavoidable here.
+        staging, staged, nbytes = self.stage(tensors)
+        return [staging] * len(tensors), staged, staging, nbytes
+
+    def outputs(
+        self, tq: int, heads: int, v_head_dim: int, dtype: torch.dtype, return_lse: bool
+    ) -> tuple[SharedBuffer, torch.Tensor, torch.Tensor | None]:
+        """A buffer from the cache holding out `[Tq, H, Dv]` and lse `[H, Tq]` fp32 (or None)."""
+        out_bytes = aligned(tq * heads * v_head_dim * dtype.itemsize)
+        buf = self.get(out_bytes + (heads * tq * 4 if return_lse else 0))
+        out = buf.tensor(0, (tq, heads, v_head_dim), dtype)
+        lse = buf.tensor(out_bytes, (heads, tq), torch.float32) if return_lse else None
+        return buf, out, lse
+
     def put(self, buf: SharedBuffer) -> None:
         with self._lock:
             self._free.append(buf)

@@ -2,10 +2,8 @@
 tasks and places each on the least-loaded worker.
 
 Each worker's `Dispatcher` runs its tasks and replaces it when it dies; work lost with a dead
-worker comes back here and is retried once on another; a job abandoned by its caller has its
-busy workers killed and replaced. Failing to send work (no memory or buffer space) fails that
-work, never the worker.
-"""
+worker is retried once on another; a job abandoned by its caller has its busy workers killed
+and replaced. Failing to send work (no memory or buffer space) fails it, never the worker."""
 
 from __future__ import annotations
 
@@ -30,18 +28,15 @@ from ._job import Outputs, PoolJob, PoolResult, _Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
-from ._shm import BufferCache, SharedBuffer, WorkerMappings, aligned, tensor_ref
+from ._shm import BufferCache, SharedBuffer, WorkerMappings, tensor_ref
 
 __all__ = ["WorkerPool"]
 
 
 class WorkerPool:
-    """Worker processes over the CCXs of the CPUs this process may use.
-
-    `submit()` validates a ragged batch, splits it into pieces by cost and returns a `PoolJob`;
-    inputs already in one of this pool's `SharedBuffer`s (see `buffer()`) are read in place,
-    others are copied into shared memory once. Outputs land in shared memory.
-    """
+    """Worker processes over the CCXs of the CPUs this process may use. `submit_batch()`
+    splits a ragged batch into pieces by cost and returns a `PoolJob`; inputs in this pool's
+    `SharedBuffer`s are read in place, others copied into shared memory once."""
 
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config or PoolConfig()
@@ -174,10 +169,8 @@ class WorkerPool:
     # -- submission --------------------------------------------------------------------------
 
     def buffer(self, nbytes: int) -> SharedBuffer:
-        """Shared memory for the caller to fill (say, a request body read from a socket);
-        tensors viewing it are passed to `submit()` with `inputs=` and read in place.
-        ServiceUnavailableError (try again) when this process is out of descriptors or memory,
-        as `submit()`."""
+        """Shared memory to fill (a request body, say) whose tensors `submit(inputs=)` reads in
+        place; ServiceUnavailableError (try again) when out of descriptors or memory."""
         return self._cache.get(nbytes)
 
     def adopt(self, fd: int, nbytes: int) -> SharedBuffer:
@@ -202,9 +195,8 @@ class WorkerPool:
         kernel: str = "auto",
         inputs: SharedBuffer | None = None,
     ) -> PoolJob:
-        """Validate and queue a ragged batch (arguments as `zen_mla.ragged_attention`)."""
-        if self._closing:
-            raise PoolClosedError("the worker pool is shut down")
+        """Validate and queue a ragged batch (arguments as `zen_mla.ragged_attention`); a server
+        calls `PrefillEngine`, which adds the work cap, and `submit_batch`."""
         batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
         chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
         return self.submit_batch(batch, chosen.name, return_lse=return_lse, inputs=inputs)
@@ -224,30 +216,22 @@ class WorkerPool:
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
-        dv = batch.v_head_dim
         if outputs is None:
-            out_bytes = aligned(tq * h * dv * batch.v.element_size())
-            out_buf = self._cache.get(out_bytes + (h * tq * 4 if return_lse else 0))
-            out = out_buf.tensor(0, (tq, h, dv), batch.v.dtype)
-            lse = out_buf.tensor(out_bytes, (h, tq), torch.float32) if return_lse else None
+            outputs = self._cache.outputs(tq, h, batch.v_head_dim, batch.v.dtype, return_lse)
+            cache: BufferCache | None = self._cache  # the outputs' buffer goes back to it
         else:
-            out_buf, out, lse = outputs
-
+            cache = None  # a caller's buffer stays theirs
+        out_buf, out, lse = outputs
         given = [inputs] if isinstance(inputs, SharedBuffer) else list(inputs or ())
-        tensors: tuple[torch.Tensor, ...] = (batch.q, batch.k, batch.v)
-        homes = [next((b for b in given if b.contains(t)), None) for t in tensors]
-        staging: SharedBuffer | None = None
-        if any(home is None for home in homes):
-            # Inputs from ordinary memory: one copy into shared memory is unavoidable here.
-            try:
-                staging, tensors, nbytes = self._cache.stage(tensors)
-            except ServiceUnavailableError:
-                if outputs is None:
-                    self._cache.put(out_buf)
-                raise
-            homes = [staging] * 3
-            self.staged_bytes += nbytes
-        q_home, k_home, v_home = (home for home in homes if home is not None)
+        try:
+            (q_home, k_home, v_home), tensors, staging, copied = self._cache.place(
+                (batch.q, batch.k, batch.v), given
+            )
+        except ServiceUnavailableError:
+            if cache is not None:
+                cache.put(out_buf)
+            raise
+        self.staged_bytes += copied
 
         job = PoolJob(kernel=kernel)
         buffers = list({id(b): b for b in (q_home, k_home, v_home, out_buf)}.values())
@@ -279,7 +263,6 @@ class WorkerPool:
         def finish(j: PoolJob) -> None:
             if staging is not None:
                 self._cache.put(staging)
-            cache = self._cache if outputs is None else None  # a caller's buffer stays theirs
             j._succeed(PoolResult(out, lse, kernel, out_buf, cache))
 
         job._pending = len(tasks)
