@@ -191,23 +191,20 @@ class RegionSet:
         """Lay a request out in a scratch region (tensors in `empty()` regions are named where
         they lie, the others copied once) and yield where everything is; the region is this
         caller's until the block ends."""
-        moved = {n: t for n, t in tensors.items() if self.where(t) is None}
+        found = {n: self.where(t) for n, t in tensors.items()}
+        moved = {n: t for n, t in tensors.items() if found[n] is None}
         sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
         q, v = tensors["q"], tensors["v"]
         out_shape = (q.shape[0], q.shape[1], v.shape[2])
         out_bytes = _aligned(out_shape[0] * out_shape[1] * out_shape[2] * v.element_size())
         lse_bytes = _aligned(q.shape[0] * q.shape[1] * 4) if return_lse else 0
         with self.scratch(sum(sizes.values()) + out_bytes + lse_bytes) as region:
-            places, offset = {}, 0
+            places = {n: p for n, p in found.items() if p is not None}
+            offset = 0
             for name, t in moved.items():
                 region.tensor(offset, t.shape, t.dtype).copy_(t)  # the one copy (also from CUDA)
                 places[name] = region.place(offset, t)
                 offset += sizes[name]
-            for name, t in tensors.items():
-                if name not in places:
-                    found = self.where(t)
-                    assert found is not None
-                    places[name] = found
             out = region.tensor(offset, out_shape, v.dtype)
             places["out"] = region.place(offset, out)
             lse = None

@@ -58,22 +58,10 @@ PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _request(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None,
-    causal: bool,
-    return_lse: bool,
-    scale: float | None,
-    kernel: str,
-    request_id: str | None,
+    tensors: dict[str, torch.Tensor], meta: dict[str, str]
 ) -> tuple[torch.device, list[bytes | memoryview], int]:
-    device = q.device
-    tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
-    meta = wire.options_metadata(
-        causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
-    )
+    """A safetensors body of checked tensors (`_tensors`) and options metadata, in parts."""
+    device = tensors["q"].device
     header, chunks = wire.encode({n: t.detach().cpu() for n, t in tensors.items()}, meta)
     parts: list[bytes | memoryview] = [header]
     for chunk in chunks:
@@ -338,10 +326,7 @@ class PrefillClient:
                 if regions is not None:
                     return self._post_regions(i, regions, tensors, options, return_lse)
                 if body is None:
-                    body = _request(
-                        q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale,
-                        kernel, request_id,
-                    )  # fmt: skip
+                    body = _request(tensors, options)
                 return self._post(self._http[i], body[1], body[2], body[0], return_lse)
             except (OverloadedError, httpx.TransportError) as exc:
                 wait = _next_step(
@@ -479,10 +464,7 @@ class AsyncPrefillClient:
                 if regions is not None:
                     return await self._post_regions(i, regions, tensors, options, return_lse)
                 if body is None:
-                    body = _request(
-                        q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_lse, scale,
-                        kernel, request_id,
-                    )  # fmt: skip
+                    body = _request(tensors, options)
                 return await self._post(self._http[i], body[1], body[2], body[0], return_lse)
             except (OverloadedError, httpx.TransportError) as exc:
                 wait = _next_step(
