@@ -113,8 +113,10 @@ async def read_body(
     grace_s: float,
     deadline_at: float,
     deadline_s: float,
+    lead: int = 0,
 ) -> SharedBuffer:
-    """The body of `nbytes` (its Content-Length), in a pool buffer the caller releases.
+    """The body of `nbytes` (its Content-Length), in a pool buffer the caller releases, from
+    byte `lead` on (a caller that knows where the body's tensors start aligns them so).
 
     After `grace_s`, the bytes in must keep up with `min_rate` bytes/s (counted from the start
     of the read): a body falling behind raises RequestTimeoutError (408). `deadline_at` (loop
@@ -127,7 +129,7 @@ async def read_body(
     early: list[bytes] = []  # chunks that came before the buffer was made
     buf: SharedBuffer | None = None
     if nbytes <= SMALL_BYTES:
-        buf = engine.buffer(nbytes)
+        buf = engine.buffer(lead + nbytes)
     slow = False
     try:
         async with asyncio.timeout(None) as timer:
@@ -145,12 +147,12 @@ async def read_body(
                 if end > nbytes:
                     raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", "more")
                 if buf is not None:
-                    buf.bytes_view[got:end] = chunk
+                    buf.bytes_view[lead + got : lead + end] = chunk
                 else:
                     early.append(chunk)
                     if end >= nbytes // PROOF_FRACTION or not more:
-                        buf = await asyncio.to_thread(engine.buffer, nbytes)
-                        view, at = buf.bytes_view, 0
+                        buf = await asyncio.to_thread(engine.buffer, lead + nbytes)
+                        view, at = buf.bytes_view, lead
                         for part in early:
                             view[at : at + len(part)] = part
                             at += len(part)

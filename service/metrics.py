@@ -12,7 +12,7 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.requests: defaultdict[int, int] = defaultdict(int)
+        self.requests: defaultdict[tuple[str, int], int] = defaultdict(int)
         self.bytes_in = 0
         self.bytes_out = 0
         self.tokens: defaultdict[str, int] = defaultdict(int)
@@ -30,9 +30,9 @@ class Metrics:
             self._sum[phase] += seconds
             self._count[phase] += 1
 
-    def count_request(self, status: int, bytes_in: int, bytes_out: int) -> None:
+    def count_request(self, route: str, status: int, bytes_in: int, bytes_out: int) -> None:
         with self._lock:
-            self.requests[status] += 1
+            self.requests[route, status] += 1
             self.bytes_in += bytes_in
             self.bytes_out += bytes_out
 
@@ -51,9 +51,13 @@ class Metrics:
             out.append(f"# TYPE zen_mla_{name} {kind}")
 
         with self._lock:
-            family("requests_total", "counter", "Prefill requests answered, by HTTP status.")
-            for status, n in sorted(self.requests.items()):
-                out.append(f'zen_mla_requests_total{{status="{status}"}} {n}')
+            family(
+                "requests_total",
+                "counter",
+                "Prefill requests answered, by route (prefill, v2) and HTTP status.",
+            )
+            for (route, status), n in sorted(self.requests.items()):
+                out.append(f'zen_mla_requests_total{{route="{route}",status="{status}"}} {n}')
             family("request_seconds", "histogram", "Prefill time by phase: queue, compute, total.")
             for phase, counts in self._hist.items():
                 for bound, n in zip(BUCKETS, counts, strict=True):

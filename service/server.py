@@ -10,7 +10,8 @@ from types import FrameType
 
 import uvicorn
 
-from .app import ServiceState, create_app
+from .app import create_app
+from .exchange import ServiceState
 from .protocol import ConnectionLimits, protocol_class
 from .settings import Settings
 

@@ -63,6 +63,19 @@ class Settings(BaseSettings):
     shm_max_regions: int = Field(64, ge=1, description="regions one client may hold")
     shm_max_bytes: int = Field(64 << 30, ge=1, description="bytes of regions one client may hold")
     shm_max_clients: int = Field(64, ge=1, description="region-socket connections at once")
+    system_shm: bool = Field(
+        False,
+        description="the Open Inference Protocol's system shared memory: clients name /dev/shm "
+        "objects of this service's user for it to read and write; off unless set",
+    )
+    system_shm_max_regions: int = Field(
+        64, ge=1, description="system shared memory regions registered at once"
+    )
+    max_json_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        description="the JSON part of a /v2 infer request (its inference header); 413 above",
+    )
     http: Literal["httptools", "h11"] = "httptools"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

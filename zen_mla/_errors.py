@@ -93,6 +93,15 @@ class UnauthorizedError(RequestRejectedError, PermissionError):
     """A bearer token is required and was missing or wrong."""
 
 
+class ForbiddenError(RequestRejectedError, PermissionError):
+    """The request asks for something this service is set not to do (say, system shared
+    memory while it is off); the message names the setting."""
+
+
+class NotFoundError(RequestRejectedError, LookupError):
+    """No such model, version or shared-memory region here."""
+
+
 class RequestTimeoutError(RequestRejectedError, TimeoutError):
     """The headers did not arrive within the header timeout, or the body arrived slower than
     the minimum rate; the connection is closed."""
@@ -150,6 +159,8 @@ class SharedMemoryUnavailableError(ZenMLAError):
 STATUS: dict[type[ZenMLAError], int] = {
     WireFormatError: 400,
     UnauthorizedError: 401,
+    ForbiddenError: 403,
+    NotFoundError: 404,
     RequestTimeoutError: 408,
     LengthRequiredError: 411,
     BodyTooLargeError: 413,
@@ -169,6 +180,8 @@ STATUS: dict[type[ZenMLAError], int] = {
 BY_STATUS: dict[int, type[ZenMLAError]] = {
     400: WireFormatError,
     401: UnauthorizedError,
+    403: ForbiddenError,
+    404: NotFoundError,
     408: RequestTimeoutError,
     411: LengthRequiredError,
     413: BodyTooLargeError,

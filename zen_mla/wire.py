@@ -33,6 +33,7 @@ __all__ = [
     "header_length",
     "parse_options",
     "request_batch",
+    "tensor_bytes",
 ]
 
 #: generous for five tensors and the metadata (a real request header is ~600 bytes)
@@ -253,7 +254,8 @@ def options_metadata(
     return meta
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """`t`'s bytes, row-major; for a contiguous CPU tensor a view of its storage, no copy."""
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -273,7 +275,7 @@ def encode(
     chunks, offset = [], 0
     # larger elements first keeps every tensor aligned to its element size (as safetensors does)
     for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
-        data = _bytes_of(t)
+        data = tensor_bytes(t)
         header[name] = {
             "dtype": NAMES[t.dtype],
             "shape": list(t.shape),

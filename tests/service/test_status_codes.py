@@ -289,7 +289,7 @@ def test_metrics_and_openapi(server):
         "zen_mla_tokens_total",
     ):
         assert name in text
-    assert 'zen_mla_requests_total{status="200"}' in text
+    assert 'zen_mla_requests_total{route="prefill",status="200"}' in text
     assert 'le="60"' in text
     body = spec["paths"]["/prefill"]["post"]["requestBody"]["content"]
     assert "application/octet-stream" in body

@@ -1,0 +1,306 @@
+"""What every compute route shares, whatever its wire format (`/prefill`, `/v2/.../infer`): the
+service's state, the gate (serving, ready, token), admission before a body byte is read, the
+wait on the engine within the deadline while watching the client, and responses streamed from
+the shared memory the workers wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from zen_mla import (
+    BodyTooLargeError,
+    KernelError,
+    LengthRequiredError,
+    ServiceUnavailableError,
+    UnauthorizedError,
+    ZenMLAError,
+    status_of,
+)
+from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
+from zen_mla.pool import SharedBuffer
+from zen_mla.region_server import RegionServer
+from zen_mla.regions import RegionRegistry
+
+from .ingest import SMALL_BYTES, Admission, Ticket, give_back
+from .metrics import Metrics
+from .settings import Settings
+from .system_shm import SystemShmRegistry
+
+__all__ = [
+    "ClientGoneError",
+    "Exchange",
+    "ServiceState",
+    "admit",
+    "compute",
+    "gate",
+    "handle",
+    "stream",
+    "timed",
+]
+
+log = logging.getLogger("zen_mla.service")
+R = TypeVar("R", bound=Response)
+SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    engine: PrefillEngine | None = None
+    ready: bool = False
+    draining: bool = False
+    start_error: str | None = None
+    # zentorch_status(), once its probe (seconds, in a thread at start) is done; /health reads
+    # this instead of calling it, which would block the event loop on the probe meanwhile
+    zentorch: dict[str, Any] | None = None
+    # same-host regions (None while shared memory is off or not started); owned by the event
+    # loop's thread, as the region server that fills it runs there
+    regions: RegionRegistry | None = None
+    region_server: RegionServer | None = None
+    # the Open Inference Protocol's system shared memory (None while off or not started)
+    system_shm: SystemShmRegistry | None = None
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    metrics: Metrics = field(default_factory=Metrics)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.settings)
+
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not answered: bodies being read, queued or computing."""
+        return self.admission.inflight
+
+
+def authorize(state: ServiceState, request: Request) -> None:
+    """The bearer token, where one is set."""
+    s = state.settings
+    if s.api_token is not None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        good = s.api_token.get_secret_value().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), good):
+            raise UnauthorizedError("a valid bearer token is required (Authorization: Bearer ...)")
+
+
+def gate(state: ServiceState, request: Request) -> PrefillEngine:
+    """Checks every compute request passes first: serving, ready, the token."""
+    if state.draining:
+        raise ServiceUnavailableError("the service is draining for shutdown", retry_after=5)
+    if not state.ready or state.engine is None:
+        raise ServiceUnavailableError(
+            state.start_error or "the worker pool is starting", retry_after=5
+        )
+    authorize(state, request)
+    return state.engine
+
+
+def content_length(request: Request) -> int:
+    length = request.headers.get("content-length")
+    if length is None or not length.isdigit():
+        raise LengthRequiredError("Content-Length: expected the body size in bytes, got none")
+    return int(length)
+
+
+def admit(state: ServiceState, request: Request, limit: int) -> Ticket:
+    """Checks made before a byte of the body is read; the request's share of the admission."""
+    n = content_length(request)
+    if n > limit:
+        raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
+    state.admission.check_queue()  # a full queue now is a 429 now, not after the upload
+    return state.admission.admit(n)
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection while its work ran (answered 499, for metrics)."""
+
+
+@dataclass
+class Exchange:
+    """One compute request as the log line and the metrics see it."""
+
+    route: str
+    t0: float = field(default_factory=time.perf_counter)
+    request_id: str | None = None
+    status: int = 500
+    bytes_in: int = 0
+    bytes_out: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    buf: SharedBuffer | None = None  # the body's buffer, until handed back
+    ticket: Ticket | None = None
+
+    def remaining(self, deadline_s: float) -> float:
+        return deadline_s - (time.perf_counter() - self.t0)
+
+
+ErrorAnswer = Callable[[ZenMLAError, "Exchange", dict[str, str] | None], Response]
+
+
+async def handle(
+    state: ServiceState,
+    route: str,
+    work: Callable[[Exchange], Awaitable[Response]],
+    answer_error: ErrorAnswer,
+) -> Response:
+    """One compute request from start to log line: `work` answers it; a zen_mla error is
+    answered by `answer_error` in the route's form, anything else as a 500 of the same form;
+    a client gone is a 499 (in the metrics only). The body's buffer and the admission are given
+    back whatever happened."""
+    x = Exchange(route)
+    try:
+        return await work(x)
+    except (ClientDisconnect, ClientGoneError):
+        x.status = 499
+        return Response(status_code=499)
+    except ZenMLAError as exc:
+        x.status = status_of(exc)
+        # Answered before the whole body came: the connection closes (lingering, see
+        # protocol.py) rather than reading an unbounded rest of the body to keep it alive.
+        return answer_error(exc, x, None if x.bytes_in else {"Connection": "close"})
+    except Exception as exc:  # a bug of ours: a 500, never a dropped connection
+        log.exception("%s failed", route)
+        x.status = 500
+        return answer_error(KernelError(f"internal error: {type(exc).__name__}: {exc}"), x, None)
+    finally:
+        if x.buf is not None and state.engine is not None:
+            await give_back(state.engine, x.buf)
+        if x.ticket is not None:
+            x.ticket.close()
+        total = time.perf_counter() - x.t0
+        state.metrics.observe("total", total)
+        state.metrics.count_request(route, x.status, x.bytes_in, x.bytes_out)
+        log.info(
+            json.dumps(
+                {
+                    "event": route,
+                    "request_id": x.request_id,
+                    "status": x.status,
+                    "bytes_in": x.bytes_in,
+                    "bytes_out": x.bytes_out,
+                    "total_ms": round(total * 1e3, 3),
+                    **x.info,
+                }
+            )
+        )
+
+
+async def compute(
+    state: ServiceState,
+    request: Request,
+    prepared: PrefillRequest,
+    run: Callable[[], PrefillJob],
+    x: Exchange,
+    deadline_s: float | None = None,
+) -> tuple[PrefillResult, tuple[float, float]]:
+    """Queue the prepared request and wait for it within the deadline (the service's, or the
+    shorter `deadline_s`), watching the client; the result, and its (queue, compute) seconds."""
+    s = state.settings
+    deadline = s.deadline_s if deadline_s is None else min(deadline_s, s.deadline_s)
+    x.info = {"tq": prepared.num_q_tokens, "tk": prepared.num_kv_tokens, "b": prepared.num_requests}
+    assert x.ticket is not None
+    x.ticket.enqueue()
+    batch = prepared.batch
+    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
+    if out_bytes > SMALL_BYTES:
+        job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
+    else:
+        job = run()
+    waiting = asyncio.ensure_future(job.wait(x.remaining(deadline)))
+    gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
+    watch: set[asyncio.Future[Any]] = {waiting, gone}
+    await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
+        waiting.cancel()  # abandons the work: its busy workers are stopped and replaced
+        raise ClientGoneError
+    gone.cancel()
+    result = waiting.result()  # DeadlineExceededError past the deadline
+    done_at = time.perf_counter()
+    queue_s = (job.started_at or done_at) - job.queued_at
+    compute_s = done_at - (job.started_at or done_at)
+    state.metrics.observe("queue", queue_s)
+    state.metrics.observe("compute", compute_s)
+    state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
+    return result, (queue_s, compute_s)
+
+
+def timed(response: R, ingest_s: float, queue_s: float, compute_s: float, x: Exchange) -> R:
+    response.headers["Server-Timing"] = (
+        f"ingest;dur={ingest_s * 1e3:.3f}, queue;dur={queue_s * 1e3:.3f}, "
+        f"compute;dur={compute_s * 1e3:.3f}"
+    )
+    x.info |= {
+        "ingest_ms": round(ingest_s * 1e3, 3),
+        "queue_ms": round(queue_s * 1e3, 3),
+        "compute_ms": round(compute_s * 1e3, 3),
+    }
+    return response
+
+
+def stream(
+    head: bytes,
+    chunks: Sequence[memoryview],
+    result: PrefillResult,
+    media_type: str,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
+    """`head`, then `chunks` (views of the shared memory the workers wrote), without a copy.
+
+    The memory goes back to the pool only when nothing refers to it any more: the transport
+    (uvloop) may keep a chunk it could not write at once and send it after the app is done, so
+    release waits for the arrays behind the chunks to be collected, not for the last yield.
+    """
+    pending = list(chunks)
+    length = len(head) + sum(c.nbytes for c in pending)
+    _release_when_collected(result, [c.obj for c in pending if c.nbytes])
+
+    async def body() -> AsyncIterator[bytes | memoryview]:
+        yield head
+        while pending:
+            chunk = pending.pop(0)
+            for i in range(0, chunk.nbytes, SEND_CHUNK):
+                yield chunk[i : i + SEND_CHUNK]
+            del chunk
+
+    return StreamingResponse(
+        body(),
+        media_type=media_type,
+        headers={"Content-Length": str(length)} | (headers or {}),
+    )
+
+
+def _release_when_collected(result: PrefillResult, exporters: list[object]) -> None:
+    if not exporters:
+        result.release()
+        return
+    left = [len(exporters)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            result.release()
+
+    for obj in exporters:
+        weakref.finalize(obj, one_gone)

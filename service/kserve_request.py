@@ -1,0 +1,391 @@
+"""The Open Inference Protocol's (KServe v2) inference request and response, for the
+`mla_prefill` model: the request's JSON read into a checked `InferRequest`, and the response's
+JSON written. Where tensor bytes lie (after the JSON, in the JSON, in system shared memory) is
+recorded here; `kserve` fetches them.
+
+Every rule broken names the tensor or field (`q.datatype: expected one of BF16, FP16, FP32, got
+'INT8'`): a body that cannot be read as such a request is a 400 (`WireFormatError`), a request
+that breaks the model's rules a 422 (`InvalidInputError`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zen_mla import InvalidInputError, WireFormatError
+
+__all__ = [
+    "DATATYPES",
+    "INPUTS",
+    "MODEL",
+    "InferRequest",
+    "InputSpec",
+    "OutputSpec",
+    "ShmPlace",
+    "model_metadata",
+    "parse_request",
+    "response_header",
+]
+
+MODEL = "mla_prefill"
+VERSION = "1"
+DATATYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "FP16": torch.float16,
+    "FP32": torch.float32,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+}
+NAMES = {dtype: name for name, dtype in DATATYPES.items()}
+_VALUES = ("BF16", "FP16", "FP32")
+_INDEXES = ("INT32", "INT64")
+#: inputs by name: the datatypes each may have, and the number of its dimensions
+INPUTS: dict[str, tuple[tuple[str, ...], int]] = {
+    "q": (_VALUES, 3),
+    "k": (_VALUES, 3),
+    "v": (_VALUES, 3),
+    "q_cu_seq_lens": (_INDEXES, 1),
+    "kv_cu_seq_lens": (_INDEXES, 1),
+}
+REQUIRED = ("q", "k", "v", "q_cu_seq_lens")
+OUTPUTS = ("out", "lse")
+PARAMETERS = ("causal", "return_lse", "scale", "kernel", "binary_data_output", "timeout")
+_SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+def model_metadata() -> dict[str, Any]:
+    """`GET /v2/models/mla_prefill`: `datatype` is the reference model's; `parameters` lists
+    every datatype an input may have."""
+
+    def tensor(name: str, datatype: str, shape: list[int], **extra: Any) -> dict[str, Any]:
+        kinds = list(INPUTS[name][0]) if name in INPUTS else [datatype]
+        return {
+            "name": name,
+            "datatype": datatype,
+            "shape": shape,
+            "parameters": {"datatypes": kinds, **extra},
+        }
+
+    return {
+        "name": MODEL,
+        "versions": [VERSION],
+        "platform": "zen-mla",
+        "inputs": [
+            tensor("q", "BF16", [-1, -1, -1]),
+            tensor("k", "BF16", [-1, -1, -1]),
+            tensor("v", "BF16", [-1, -1, -1]),
+            tensor("q_cu_seq_lens", "INT32", [-1]),
+            tensor("kv_cu_seq_lens", "INT32", [-1], optional=True),
+        ],
+        "outputs": [
+            {
+                "name": "out",
+                "datatype": "BF16",
+                "shape": [-1, -1, -1],
+                "parameters": {"datatypes": list(_VALUES), "note": "v's datatype"},
+            },
+            {"name": "lse", "datatype": "FP32", "shape": [-1, -1]},
+        ],
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ShmPlace:
+    """A tensor's bytes in a registered system shared memory region."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One input: its datatype and shape, and where its bytes are: `binary` (offset into the
+    binary part of the body), `shm`, or `data` (JSON numbers)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    binary: int | None = None
+    shm: ShmPlace | None = None
+    data: Any = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DATATYPES[self.datatype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """One output to return: binary after the JSON, JSON `data`, or written to `shm`."""
+
+    name: str
+    binary: bool = False
+    shm: ShmPlace | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    id: str | None
+    inputs: dict[str, InputSpec]
+    outputs: tuple[OutputSpec, ...]
+    causal: bool = True
+    return_lse: bool = False
+    scale: float | None = None
+    kernel: str = "auto"
+    timeout_s: float | None = None  # the request's own deadline, when shorter
+    binary_bytes: int = 0
+    uses_shm: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        shm = any(i.shm for i in self.inputs.values()) or any(o.shm for o in self.outputs)
+        object.__setattr__(self, "uses_shm", shm)
+
+
+def parse_header(raw: bytes | memoryview) -> object:
+    """The request's JSON (an unreadable one is a 400)."""
+    try:
+        return json.loads(bytes(raw))
+    except (ValueError, RecursionError) as exc:
+        got = f"{type(exc).__name__}: {str(exc)[:120]}"
+        raise WireFormatError("inference header", "a JSON object", got) from None
+
+
+def parse_request(doc: object, binary_bytes: int) -> InferRequest:
+    """The request `doc` (parsed JSON) with `binary_bytes` of tensor data after it."""
+    if not isinstance(doc, dict):
+        raise WireFormatError("inference header", "a JSON object", type(doc).__name__)
+    unknown = sorted(set(doc) - {"id", "inputs", "outputs", "parameters"})
+    if unknown:
+        raise InvalidInputError(
+            "request", "fields among id, inputs, outputs, parameters", repr(unknown[0])[:60]
+        )
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInputError("id", "a string", type(request_id).__name__)
+    params = _parameters(doc.get("parameters"))
+
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise InvalidInputError("inputs", "a list of input tensors", _kind(raw_inputs))
+    inputs: dict[str, InputSpec] = {}
+    at = 0  # the binary part's bytes taken by the inputs so far, in their order
+    for raw in raw_inputs:
+        spec = _input(raw, at)
+        if spec.name in inputs:
+            raise InvalidInputError(spec.name, "one input of that name", "two")
+        inputs[spec.name] = spec
+        if spec.binary is not None:
+            at += spec.nbytes
+    for name in REQUIRED:
+        if name not in inputs:
+            raise InvalidInputError(name, "an input of that name in the request", "none")
+    if at != binary_bytes:
+        raise WireFormatError(
+            "binary_data_size",
+            f"sizes adding up to the {binary_bytes} bytes after the inference header",
+            f"{at} bytes",
+        )
+    return_lse = bool(params.get("return_lse", False))
+    outputs = _outputs(doc.get("outputs"), return_lse, bool(params.get("binary_data_output")))
+    timeout = params.get("timeout")
+    return InferRequest(
+        id=request_id,
+        inputs=inputs,
+        outputs=outputs,
+        causal=bool(params.get("causal", True)),
+        return_lse=return_lse,
+        scale=params.get("scale"),
+        kernel=params.get("kernel", "auto"),
+        timeout_s=timeout / 1e6 if timeout else None,
+        binary_bytes=binary_bytes,
+    )
+
+
+def _kind(value: object) -> str:
+    return "none" if value is None else type(value).__name__
+
+
+def _flag(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidInputError(name, "true or false", repr(value)[:40])
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise InvalidInputError(name, "a whole number >= 0", repr(value)[:40])
+
+
+def _parameters(raw: object) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidInputError("parameters", "a JSON object", _kind(raw))
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("causal", "return_lse", "binary_data_output"):
+            out[key] = _flag(key, value)
+        elif key == "scale":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value > 0):
+                raise InvalidInputError("scale", "a finite number > 0", repr(value)[:40])
+            out[key] = float(value)
+        elif key == "kernel":
+            if not isinstance(value, str):
+                raise InvalidInputError("kernel", "a string", _kind(value))
+            out[key] = value
+        elif key == "timeout":
+            out[key] = _count("timeout", value)  # microseconds, as Triton's
+        else:
+            raise InvalidInputError(
+                "parameters", f"names among {', '.join(PARAMETERS)}", repr(key)[:60]
+            )
+    return out
+
+
+def _shm_place(name: str, params: Mapping[str, Any]) -> ShmPlace | None:
+    given = [k for k in _SHM_KEYS if k in params]
+    if not given:
+        return None
+    region = params.get("shared_memory_region")
+    if not isinstance(region, str):
+        raise InvalidInputError(f"{name}.shared_memory_region", "a region name", _kind(region))
+    if "shared_memory_byte_size" not in params:
+        raise InvalidInputError(f"{name}.shared_memory_byte_size", "a byte count", "none")
+    return ShmPlace(
+        region,
+        _count(f"{name}.shared_memory_offset", params.get("shared_memory_offset", 0)),
+        _count(f"{name}.shared_memory_byte_size", params["shared_memory_byte_size"]),
+    )
+
+
+def _input(raw: object, binary_at: int) -> InputSpec:
+    if not isinstance(raw, dict):
+        raise InvalidInputError("inputs", "a list of input tensors (JSON objects)", _kind(raw))
+    name = raw.get("name")
+    if name not in INPUTS:
+        raise InvalidInputError("inputs", f"input names among {', '.join(INPUTS)}", repr(name)[:60])
+    assert isinstance(name, str)
+    kinds, ndim = INPUTS[name]
+    datatype = raw.get("datatype")
+    if datatype not in kinds:
+        raise InvalidInputError(
+            f"{name}.datatype", f"one of {', '.join(kinds)}", repr(datatype)[:40]
+        )
+    shape = raw.get("shape")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise InvalidInputError(f"{name}.shape", "a list of whole numbers >= 0", repr(shape)[:60])
+    if len(shape) != ndim:
+        layout = "[T, H, D]" if ndim == 3 else "[B + 1]"
+        raise InvalidInputError(f"{name}.shape", f"{ndim} dimensions {layout}", str(shape)[:60])
+    params = raw.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
+    unknown = sorted(set(params) - {"binary_data_size", *_SHM_KEYS})
+    if unknown:
+        raise InvalidInputError(
+            f"{name}.parameters",
+            "names among binary_data_size, " + ", ".join(_SHM_KEYS),
+            repr(unknown[0])[:60],
+        )
+    spec = InputSpec(name, datatype, tuple(shape))
+    shm = _shm_place(name, params)
+    sources = [
+        k
+        for k, on in (
+            ("binary_data_size", "binary_data_size" in params),
+            ("shared memory", shm is not None),
+            ("data", "data" in raw),
+        )
+        if on
+    ]
+    if len(sources) != 1:
+        raise InvalidInputError(
+            name,
+            "its bytes from one of binary_data_size, shared memory, data",
+            " and ".join(sources) or "none",
+        )
+    if shm is not None:
+        if shm.byte_size != spec.nbytes:
+            raise InvalidInputError(
+                f"{name}.shared_memory_byte_size",
+                f"{spec.nbytes} bytes ({datatype} {list(shape)})",
+                str(shm.byte_size),
+            )
+        return InputSpec(name, datatype, spec.shape, shm=shm)
+    if "binary_data_size" in params:
+        size = _count(f"{name}.binary_data_size", params["binary_data_size"])
+        if size != spec.nbytes:
+            raise InvalidInputError(
+                f"{name}.binary_data_size",
+                f"{spec.nbytes} bytes ({datatype} {list(shape)})",
+                str(size),
+            )
+        return InputSpec(name, datatype, spec.shape, binary=binary_at)
+    return InputSpec(name, datatype, spec.shape, data=raw["data"])
+
+
+def _is_count(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+
+def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[OutputSpec, ...]:
+    if raw is None:
+        names = ("out", "lse") if return_lse else ("out",)
+        return tuple(OutputSpec(n, binary=binary_default) for n in names)
+    if not isinstance(raw, list):
+        raise InvalidInputError("outputs", "a list of requested outputs", _kind(raw))
+    specs: dict[str, OutputSpec] = {}
+    for item in raw:
+        name = item.get("name") if isinstance(item, dict) else None
+        if name not in OUTPUTS:
+            raise InvalidInputError("outputs", "output names among out, lse", repr(name)[:60])
+        assert isinstance(item, dict) and isinstance(name, str)
+        if name in specs:
+            raise InvalidInputError(name, "one requested output of that name", "two")
+        if name == "lse" and not return_lse:
+            raise InvalidInputError(
+                "lse", "the parameter return_lse: true to compute it", "return_lse false"
+            )
+        params = item.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
+        unknown = sorted(set(params) - {"binary_data", *_SHM_KEYS})
+        if unknown:
+            raise InvalidInputError(
+                f"{name}.parameters",
+                "names among binary_data, " + ", ".join(_SHM_KEYS),
+                repr(unknown[0])[:60],
+            )
+        binary = _flag(f"{name}.binary_data", params.get("binary_data", binary_default))
+        specs[name] = OutputSpec(name, binary=binary, shm=_shm_place(name, params))
+    return tuple(specs.values())
+
+
+def response_header(
+    request: InferRequest,
+    outputs: list[dict[str, Any]],
+    meta: Mapping[str, str],
+) -> bytes:
+    """The response's JSON: the model, the request's id, what computed the outputs
+    (`parameters`), and each output's entry."""
+    doc: dict[str, Any] = {"model_name": MODEL, "model_version": VERSION}
+    if request.id is not None:
+        doc["id"] = request.id
+    doc["parameters"] = dict(meta)
+    doc["outputs"] = outputs
+    return json.dumps(doc, separators=(",", ":")).encode()

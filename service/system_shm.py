@@ -1,0 +1,190 @@
+"""The Open Inference Protocol's system shared memory: POSIX shared-memory objects a client
+names by key (`/dev/shm/<key>`), registered as regions the infer requests read and write.
+
+Unlike the same-host regions (memfds sealed against shrinking, handed over a socket), such an
+object is named, not handed over, and its owner may shrink it at any time. So:
+
+- it is off unless `system_shm` is set, and the token guards it like `/prefill`;
+- a key names one object directly in /dev/shm (no path, no link), a regular file owned by this
+  service's user, at least `offset + byte_size` long when registered;
+- this process never touches a region's memory: `cu_seq_lens` are read with `pread`, outputs
+  the workers did not write in place go out with `pwrite`, and the size is checked again before
+  each request. Only workers map and touch it; one killed by SIGBUS (the object shrank in the
+  window after the check) is replaced, and its request answered 500.
+
+`SystemShmRegistry` is owned by the event loop's thread: it takes no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zen_mla import InvalidInputError, NotFoundError
+from zen_mla.pool import SharedBuffer
+
+__all__ = ["SHM_DIR", "SystemRegion", "SystemShmRegistry"]
+
+SHM_DIR = "/dev/shm"
+_KEY = re.compile(r"/?([A-Za-z0-9_.\-]{1,200})")
+
+
+@dataclass(eq=False)
+class SystemRegion:
+    """A registered region: `byte_size` bytes from `offset` of the object `key`, mapped
+    (untouched) as `buffer` for the workers."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    buffer: SharedBuffer
+    inode: tuple[int, int]  # (st_dev, st_ino): two names of one object are one memory
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.byte_size
+
+    def status(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "offset": self.offset,
+            "byte_size": self.byte_size,
+        }
+
+    def check_size(self, what: str) -> None:
+        """The object still holds the registered range (it may have been shrunk since)."""
+        size = os.fstat(self.buffer.fd).st_size
+        if size < self.end:
+            raise InvalidInputError(
+                what,
+                f"region {self.name!r} ({self.key}) of at least {self.end} bytes, as registered",
+                f"an object shrunk to {size} bytes; register it again",
+            )
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view for the workers at `offset` into the region; never read here."""
+        return self.buffer.tensor(self.offset + offset, shape, dtype)
+
+    def read(self, what: str, offset: int, nbytes: int) -> bytes:
+        """`nbytes` at `offset` into the region, by pread: a shrunk object reads short, here
+        an error, where a read of its mapping would be SIGBUS."""
+        data = os.pread(self.buffer.fd, nbytes, self.offset + offset)
+        if len(data) != nbytes:
+            self.check_size(what)
+            raise InvalidInputError(what, f"{nbytes} bytes in region {self.name!r}", "fewer")
+        return data
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """`data` to `offset` into the region, by pwrite (a shrunk object grows back)."""
+        at, view = self.offset + offset, data.cast("B")
+        while view:
+            n = os.pwrite(self.buffer.fd, view, at)
+            at, view = at + n, view[n:]
+
+
+class SystemShmRegistry:
+    """Regions by name, at most `max_regions` of them."""
+
+    def __init__(self, *, max_regions: int, adopt: Callable[[int, int], SharedBuffer]) -> None:
+        self.max_regions = max_regions
+        self._adopt = adopt
+        self._regions: dict[str, SystemRegion] = {}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def register(self, name: str, key: object, offset: object, byte_size: object) -> None:
+        if name in self._regions:
+            raise InvalidInputError(
+                "name",
+                "a region name not registered yet",
+                f"{name!r}, registered already",
+                "Unregister it first",
+            )
+        if len(self._regions) >= self.max_regions:
+            raise InvalidInputError(
+                "name",
+                f"at most {self.max_regions} regions registered",
+                "one more",
+                "Unregister regions you no longer use",
+            )
+        match = _KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None or match.group(1) in (".", ".."):
+            raise InvalidInputError(
+                "key",
+                "a POSIX shared memory name such as '/my_region' (letters, digits, "
+                "'_', '.', '-'; no other '/')",
+                repr(key)[:80],
+            )
+        for field, value in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(field, "a whole number >= 0", repr(value)[:40])
+        assert isinstance(offset, int) and isinstance(byte_size, int)
+        if byte_size == 0:
+            raise InvalidInputError("byte_size", "at least 1", "0")
+        path = os.path.join(SHM_DIR, match.group(1))
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise InvalidInputError(
+                "key",
+                f"a shared memory object this service can open ({path})",
+                exc.strerror or str(exc),
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(SHM_DIR).st_dev:
+                raise InvalidInputError("key", f"a regular file in {SHM_DIR}", f"not one: {path}")
+            if st.st_uid != os.geteuid():
+                raise InvalidInputError(
+                    "key",
+                    f"an object owned by this service's user (uid {os.geteuid()})",
+                    f"uid {st.st_uid}",
+                )
+            if st.st_size < offset + byte_size:
+                raise InvalidInputError(
+                    "byte_size",
+                    f"offset + byte_size within {path} ({st.st_size} bytes)",
+                    f"{offset} + {byte_size}",
+                )
+            buffer = self._adopt(fd, offset + byte_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[name] = SystemRegion(
+            name, str(key), offset, byte_size, buffer, (st.st_dev, st.st_ino)
+        )
+
+    def unregister(self, name: str | None) -> None:
+        """One region (an unknown name is no error, as in Triton), or all with None. A request
+        in flight keeps its region's mapping until it is done."""
+        if name is None:
+            self._regions.clear()
+        else:
+            self._regions.pop(name, None)
+
+    def status(self, name: str | None) -> list[dict[str, object]]:
+        if name is None:
+            return [r.status() for r in self._regions.values()]
+        return [self.get(name).status()]
+
+    def get(self, name: str) -> SystemRegion:
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFoundError(f"no system shared memory region named {name[:80]!r}")
+        return region
+
+    def resolve(self, what: str, name: object) -> SystemRegion:
+        """The region a tensor names, or InvalidInputError naming the tensor."""
+        region = self._regions.get(name) if isinstance(name, str) else None
+        if region is None:
+            raise InvalidInputError(what, "a registered region name", repr(name)[:80])
+        return region
