@@ -210,12 +210,10 @@ async def compute(
     prepared: PrefillRequest,
     run: Callable[[], PrefillJob],
     x: Exchange,
-    deadline_s: float | None = None,
 ) -> tuple[PrefillResult, tuple[float, float]]:
-    """Queue the prepared request and wait for it within the deadline (the service's, or the
-    shorter `deadline_s`), watching the client; the result, and its (queue, compute) seconds."""
+    """Queue the prepared request and wait for it within the deadline, watching the client;
+    the result, and its (queue, compute) seconds."""
     s = state.settings
-    deadline = s.deadline_s if deadline_s is None else min(deadline_s, s.deadline_s)
     x.info = {"tq": prepared.num_q_tokens, "tk": prepared.num_kv_tokens, "b": prepared.num_requests}
     assert x.ticket is not None
     x.ticket.enqueue()
@@ -225,7 +223,7 @@ async def compute(
         job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
     else:
         job = run()
-    waiting = asyncio.ensure_future(job.wait(x.remaining(deadline)))
+    waiting = asyncio.ensure_future(job.wait(x.remaining(s.deadline_s)))
     gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
     watch: set[asyncio.Future[Any]] = {waiting, gone}
     await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)

@@ -26,6 +26,7 @@ from zen_mla import (
     BodyTooLargeError,
     ForbiddenError,
     InvalidInputError,
+    KernelError,
     NotFoundError,
     ServiceUnavailableError,
     UnsupportedMediaTypeError,
@@ -189,8 +190,12 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
     def registry(request: Request) -> SystemShmRegistry:
         authorize(state, request)
-        if state.system_shm is None:
+        if not state.settings.system_shm:
             raise _shm_off()
+        if state.system_shm is None:
+            raise ServiceUnavailableError(
+                state.start_error or "the worker pool is starting", retry_after=5
+            )
         return state.system_shm
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)
@@ -294,7 +299,7 @@ async def _infer(
     del raw
     req = kr.parse_request(doc, n - json_bytes)
     x.request_id = req.id
-    if req.uses_shm and state.system_shm is None:
+    if req.uses_shm and not s.system_shm:
         raise _shm_off()
     tensors = _inputs(req, x.buf, lead + json_bytes, state.system_shm)
     homes, staging = _place_inputs(engine, tensors, x.buf, req, state.system_shm)
@@ -309,7 +314,11 @@ async def _infer(
         places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
         direct = _direct_outputs(req, prepared, places)
         run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
-        result, timing = await compute(state, request, prepared, run, x, req.timeout_s)
+        try:
+            result, timing = await compute(state, request, prepared, run, x)
+        except KernelError:
+            _check_regions(req, state.system_shm)  # a worker failed on a region shrunk meanwhile
+            raise
     finally:
         if staging is not None:
             engine.release(staging)
@@ -347,6 +356,22 @@ def _inputs(
         else:
             tensors[name] = _from_json(spec)
     return tensors
+
+
+def _check_regions(req: kr.InferRequest, regions: SystemShmRegistry | None) -> None:
+    """Every region the request names still holds its registered range (InvalidInputError,
+    naming the tensor, where one does not)."""
+    if regions is None:
+        return
+    places = [(n, i.shm) for n, i in req.inputs.items()] + [(o.name, o.shm) for o in req.outputs]
+    for name, place in places:
+        if place is None:
+            continue
+        try:
+            region = regions.resolve(name, place.region)
+        except InvalidInputError:
+            continue  # unregistered meanwhile: its mapping lived on until the request ended
+        region.check_size(name)
 
 
 def _region(

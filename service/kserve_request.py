@@ -143,7 +143,6 @@ class InferRequest:
     return_lse: bool = False
     scale: float | None = None
     kernel: str = "auto"
-    timeout_s: float | None = None  # the request's own deadline, when shorter
     binary_bytes: int = 0
     uses_shm: bool = field(init=False)
 
@@ -198,7 +197,6 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         )
     return_lse = bool(params.get("return_lse", False))
     outputs = _outputs(doc.get("outputs"), return_lse, bool(params.get("binary_data_output")))
-    timeout = params.get("timeout")
     return InferRequest(
         id=request_id,
         inputs=inputs,
@@ -207,7 +205,6 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         return_lse=return_lse,
         scale=params.get("scale"),
         kernel=params.get("kernel", "auto"),
-        timeout_s=timeout / 1e6 if timeout else None,
         binary_bytes=binary_bytes,
     )
 
@@ -249,7 +246,10 @@ def _parameters(raw: object) -> dict[str, Any]:
                 raise InvalidInputError("kernel", "a string", _kind(value))
             out[key] = value
         elif key == "timeout":
-            out[key] = _count("timeout", value)  # microseconds, as Triton's
+            # microseconds (tritonclient's `timeout=`): checked, and not followed. The service's
+            # deadline applies: work abandoned mid-run costs the workers it ran on (stopped and
+            # replaced), which no client may cause at will.
+            out[key] = _count("timeout", value)
         else:
             raise InvalidInputError(
                 "parameters", f"names among {', '.join(PARAMETERS)}", repr(key)[:60]
