@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-max-regions", dest="shm_max_regions", type=int)
     serve.add_argument("--shm-max-bytes", dest="shm_max_bytes", type=int)
     serve.add_argument("--shm-max-clients", dest="shm_max_clients", type=int)
+    serve.add_argument(
+        "--system-shm",
+        dest="system_shm",
+        action=argparse.BooleanOptionalAction,
+        help="offer the v2 system shared memory extension (default: off)",
+    )
+    serve.add_argument("--system-shm-max-regions", dest="system_shm_max_regions", type=int)
+    serve.add_argument("--max-json-bytes", dest="max_json_bytes", type=int)
     serve.add_argument("--http", choices=["httptools", "h11"])
     serve.add_argument("--log-level", dest="log_level")
     serve.set_defaults(run=_serve)
