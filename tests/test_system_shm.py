@@ -1,0 +1,117 @@
+"""The v2 system shared memory registry with real /dev/shm objects (no server): which keys it
+opens, the ranges it holds, and that a shrunk object is an error here, never a fault."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from service.system_shm import SHM_DIR, SystemShmRegistry
+from zen_mla import InvalidInputError, NotFoundError
+from zen_mla.pool import SharedBuffer
+
+
+@pytest.fixture
+def key() -> Iterator[str]:
+    """A fresh /dev/shm object of 64 KiB, removed afterwards; its key with the leading '/'."""
+    name = f"zen_mla_test_{uuid.uuid4().hex[:12]}"
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.truncate(1 << 16)
+    try:
+        yield "/" + name
+    finally:
+        for p in (path, path + "_link"):
+            if os.path.lexists(p):
+                os.unlink(p)
+
+
+def registry(max_regions: int = 4) -> SystemShmRegistry:
+    return SystemShmRegistry(max_regions=max_regions, adopt=SharedBuffer.adopt)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["../etc/passwd", "/a/b", "", "/", ".", "/..", "a b", 7, None, "x" * 300],
+    ids=repr,
+)
+def test_keys_name_one_object_directly_in_dev_shm(bad):
+    with pytest.raises(InvalidInputError, match=r"^key: expected a POSIX shared memory name"):
+        registry().register("r", bad, 0, 16)
+
+
+def test_what_a_key_must_name(key):
+    r = registry()
+    path = SHM_DIR + key
+    with pytest.raises(InvalidInputError, match="No such file"):
+        r.register("r", key + "_gone", 0, 16)
+    os.symlink(path, path + "_link")  # a link, even to a good object: not followed
+    with pytest.raises(InvalidInputError, match="can open"):
+        r.register("r", key + "_link", 0, 16)
+    os.unlink(path + "_link")
+    os.mkfifo(path + "_link")  # not a regular file (and opening it does not block)
+    with pytest.raises(InvalidInputError, match="regular file"):
+        r.register("r", key + "_link", 0, 16)
+    with pytest.raises(InvalidInputError, match=r"^byte_size: expected offset \+ byte_size"):
+        r.register("r", key, 1 << 15, (1 << 15) + 1)
+    for field, args in (("offset", (-1, 16)), ("byte_size", (0, 0)), ("byte_size", (0, True))):
+        with pytest.raises(InvalidInputError, match=f"^{field}: "):
+            r.register("r", key, *args)
+    assert len(r) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
+def test_an_object_of_another_user_is_refused(key):
+    os.chown(SHM_DIR + key, 12345, -1)
+    with pytest.raises(InvalidInputError, match="owned by this service's user"):
+        registry().register("r", key, 0, 16)
+
+
+def test_names_limits_status_and_unregister(key):
+    r = registry(max_regions=2)
+    r.register("a", key, 0, 1024)
+    r.register("b", key.lstrip("/"), 4096, 1024)  # the same object twice is allowed, as Triton
+    with pytest.raises(InvalidInputError, match="registered already"):
+        r.register("a", key, 0, 16)
+    with pytest.raises(InvalidInputError, match="at most 2 regions"):
+        r.register("c", key, 0, 16)
+    assert r.status(None) == [
+        {"name": "a", "key": key, "offset": 0, "byte_size": 1024},
+        {"name": "b", "key": key.lstrip("/"), "offset": 4096, "byte_size": 1024},
+    ]
+    assert r.get("a").inode == r.get("b").inode  # overlap checks see one memory
+    with pytest.raises(NotFoundError, match="'zz'"):
+        r.status("zz")
+    r.unregister("zz")  # unknown: no error, as in Triton
+    r.unregister("a")
+    assert [s["name"] for s in r.status(None)] == ["b"]
+    with pytest.raises(InvalidInputError, match=r"^q\.shared_memory_region: expected a registered"):
+        r.resolve("q.shared_memory_region", "a")
+    r.unregister(None)
+    assert len(r) == 0
+
+
+def test_reads_and_writes_go_through_the_descriptor_and_a_shrink_is_an_error(key):
+    r = registry()
+    r.register("a", key, 4096, 8192)
+    region = r.get("a")
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    region.write(16, memoryview(cu.numpy()))
+    with open(SHM_DIR + key, "rb") as f:
+        f.seek(4096 + 16)
+        assert f.read(12) == cu.numpy().tobytes()
+    assert region.read("q_cu_seq_lens", 16, 12) == cu.numpy().tobytes()
+    view = region.view(64, (4, 2), torch.float32)
+    assert view.data_ptr() == region.buffer.base + 4096 + 64
+
+    os.truncate(SHM_DIR + key, 4096 + 100)  # the owner shrinks it under the service
+    with pytest.raises(InvalidInputError, match=r"^q: expected region 'a' .* shrunk to 4196"):
+        region.check_size("q")
+    with pytest.raises(InvalidInputError, match="shrunk"):
+        region.read("q_cu_seq_lens", 1000, 12)  # pread reads short: no SIGBUS here
+    region.write(8000, memoryview(b"x" * 16))  # pwrite grows it back rather than faulting
+    assert os.stat(SHM_DIR + key).st_size == 4096 + 8016
