@@ -12,6 +12,7 @@ and v there are read in place by the workers. Errors are `{"error": "..."}` with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import time
@@ -92,6 +93,10 @@ def _answer_error(exc: ZenMLAError, x: Exchange, headers: dict[str, str] | None)
 
 def add_routes(app: FastAPI, state: ServiceState) -> None:
     """The /v2 routes on `app`; they answer errors in the protocol's form."""
+
+    # JSON over SMALL_BYTES is read in a thread, one request at a time: its Python objects
+    # take some ten times its bytes while they live
+    big_json = asyncio.Semaphore(1)
 
     def guarded(call: Any) -> Any:
         @functools.wraps(call)
@@ -182,7 +187,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
             return await handle(
                 state,
                 "v2",
-                functools.partial(_infer, state, request, model, version),
+                functools.partial(_infer, state, big_json, request, model, version),
                 _answer_error,
             )
 
@@ -258,7 +263,12 @@ def _header_length(request: Request, n: int) -> int:
 
 
 async def _infer(
-    state: ServiceState, request: Request, model: str, version: str, x: Exchange
+    state: ServiceState,
+    big_json: asyncio.Semaphore,
+    request: Request,
+    model: str,
+    version: str,
+    x: Exchange,
 ) -> Response:
     _model(model, version)
     engine = gate(state, request)
@@ -292,16 +302,12 @@ async def _infer(
     ingest_s = time.perf_counter() - x.t0
     x.ticket.uploaded()
     raw = bytes(x.buf.bytes_view[lead : lead + json_bytes])
-    if json_bytes > SMALL_BYTES:
-        doc = await asyncio.to_thread(kr.parse_header, raw)
-    else:
-        doc = kr.parse_header(raw)
+    req, tensors = await _read_request(raw, n - json_bytes, big_json)
     del raw
-    req = kr.parse_request(doc, n - json_bytes)
     x.request_id = req.id
     if req.uses_shm and not s.system_shm:
         raise _shm_off()
-    tensors = _inputs(req, x.buf, lead + json_bytes, state.system_shm)
+    tensors |= _inputs(req, x.buf, lead + json_bytes, state.system_shm)
     homes, staging = _place_inputs(engine, tensors, x.buf, req, state.system_shm)
     try:
         prepared = engine.prepare_tensors(
@@ -331,11 +337,31 @@ async def _infer(
 # -- inputs ------------------------------------------------------------------------------------
 
 
+async def _read_request(
+    raw: bytes, binary_bytes: int, big_json: asyncio.Semaphore
+) -> tuple[kr.InferRequest, dict[str, torch.Tensor]]:
+    """The request, and its inputs given as JSON data as tensors (the request keeps no JSON
+    numbers: they are dropped once converted)."""
+
+    def read() -> tuple[kr.InferRequest, dict[str, torch.Tensor]]:
+        req = kr.parse_request(kr.parse_header(raw), binary_bytes)
+        loaded = {n: _from_json(i) for n, i in req.inputs.items() if i.data is not None}
+        for name in loaded:
+            req.inputs[name] = dataclasses.replace(req.inputs[name], data=None)
+        return req, loaded
+
+    if len(raw) <= SMALL_BYTES:
+        return read()
+    async with big_json:
+        return await asyncio.to_thread(read)
+
+
 def _inputs(
     req: kr.InferRequest, buf: SharedBuffer, data_at: int, regions: SystemShmRegistry | None
 ) -> dict[str, torch.Tensor]:
-    """Each input as a tensor: views of the body's buffer or of a region (read by the workers
-    only), copies where they must be (JSON data, cu_seq_lens from a region)."""
+    """Each input given as binary data or in a region as a tensor: views of the body's buffer
+    or of the region (read by the workers only), copies where they must be (misaligned, or
+    cu_seq_lens from a region, read here)."""
     tensors = {}
     for name, spec in req.inputs.items():
         if spec.binary is not None:
@@ -353,8 +379,6 @@ def _inputs(
                 tensors[name] = _from_bytes(data, spec.dtype, spec.shape)
             else:
                 tensors[name] = region.view(spec.shm.offset, spec.shape, spec.dtype)
-        else:
-            tensors[name] = _from_json(spec)
     return tensors
 
 

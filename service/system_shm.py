@@ -5,12 +5,14 @@ Unlike the same-host regions (memfds sealed against shrinking, handed over a soc
 object is named, not handed over, and its owner may shrink it at any time. So:
 
 - it is off unless `system_shm` is set, and the token guards it like `/prefill`;
-- a key names one object directly in /dev/shm (no path, no link), a regular file owned by this
-  service's user, at least `offset + byte_size` long when registered;
+- a key names one object directly in /dev/shm (no path, no link, not a named semaphore), a
+  regular file owned by this service's user, at least `offset + byte_size` long when
+  registered;
 - this process never touches a region's memory: `cu_seq_lens` are read with `pread`, outputs
   the workers did not write in place go out with `pwrite`, and the size is checked again before
   each request. Only workers map and touch it; one killed by SIGBUS (the object shrank in the
-  window after the check) is replaced, and its request answered 500.
+  window after the check) is replaced, and its request answered 422 naming the tensor while
+  the object is still short.
 
 `SystemShmRegistry` is owned by the event loop's thread: it takes no lock.
 """
@@ -116,11 +118,11 @@ class SystemShmRegistry:
                 "Unregister regions you no longer use",
             )
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
-        if match is None or match.group(1) in (".", ".."):
+        if match is None or match.group(1) in (".", "..") or match.group(1).startswith("sem."):
             raise InvalidInputError(
                 "key",
-                "a POSIX shared memory name such as '/my_region' (letters, digits, "
-                "'_', '.', '-'; no other '/')",
+                "a POSIX shared memory name such as '/my_region' (letters, digits, '_', '.', "
+                "'-'; no other '/'; not a named semaphore's 'sem.')",
                 repr(key)[:80],
             )
         for field, value in (("offset", offset), ("byte_size", byte_size)):
