@@ -52,7 +52,7 @@ from .exchange import (
     stream,
     timed,
 )
-from .ingest import SMALL_BYTES, read_body
+from .ingest import SMALL_BYTES, give_back, read_body
 from .problems import problem_headers
 from .system_shm import SystemRegion, SystemShmRegistry
 
@@ -328,6 +328,8 @@ async def _infer(
     finally:
         if staging is not None:
             engine.release(staging)
+    held, x.buf = x.buf, None  # read by now: back to the pool before the answer is sent
+    await give_back(engine, held)
     response = await _respond(req, result, places, direct is not None)
     x.status = 200
     x.bytes_out = int(response.headers.get("content-length", 0))
