@@ -1,10 +1,24 @@
-"""End-to-end benchmark: the client's POST /prefill on loopback against in-process
-ragged_attention, and the service's ingest/egress rates, for uvicorn's httptools and h11.
+"""End-to-end benchmark: the client's POST /prefill and the KServe v2 (Open Inference Protocol)
+route POST /v2/models/mla_prefill/infer on loopback against in-process ragged_attention, and the
+service's ingest/egress rates, for uvicorn's httptools and h11.
 
     .venv/bin/python bench/e2e.py [--reps 7]
 
-Starts its own `zen-mla serve` processes on free loopback ports and stops them. Prints Markdown
-tables (the README has them) and writes bench/out/e2e.png.
+Starts its own `zen-mla serve` processes on free loopback ports and stops them (the httptools
+one with ZEN_MLA_SYSTEM_SHM=true). Prints Markdown tables (the README has them) and writes
+bench/out/e2e.png. Columns of the main table, all paired and interleaved with in-process:
+
+- tcp, uds: PrefillClient over loopback TCP / a Unix socket, the tensors in the body;
+- shm: PrefillClient with the service's same-host regions (inputs copied in per call);
+  shm empty(): the inputs built in the regions beforehand (`empty()`), sent without a copy;
+- v2 binary: tritonclient.http with the binary tensor data extension (BF16 as
+  ml_dtypes.bfloat16); timed: InferInput.set_data_from_numpy (tritonclient's copy of each
+  input into the body, its counterpart of the client's encoding), infer() and as_numpy;
+- v2 shm: tritonclient.http with the system shared memory extension, the inputs placed once in
+  registered /dev/shm regions beforehand (like shm empty()), outputs written by the service to
+  a registered region; timed: infer() and get_contents_as_numpy (views into the region).
+
+The results of both v2 columns are handed back as torch views (bf16 out, fp32 lse), no copy.
 """
 
 from __future__ import annotations
@@ -20,16 +34,26 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import contextlib
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import warnings
+from functools import partial
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import httpx
+import ml_dtypes
+import numpy as np
 import torch
+import tritonclient.http as triton
+from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
+from tritonclient.utils import shared_memory as triton_shm
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -41,9 +65,17 @@ from zen_mla import wire
 from zen_mla.client import PrefillClient
 
 ROOT = Path(__file__).resolve().parent.parent
+MODEL = "mla_prefill"
+INPUTS = ("q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens")
+METHODS = ("tcp", "uds", "shm", "shm empty()", "v2 binary", "v2 shm")
+# as_numpy's arrays are views of the (read-only) response bytes; the torch views of them are
+# only read
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
-def start_server(http: str, uds: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    http: str, uds: str | None = None, system_shm: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -53,6 +85,7 @@ def start_server(http: str, uds: str | None = None) -> tuple[subprocess.Popen[by
         ZEN_MLA_HTTP=http,
         ZEN_MLA_MAX_BODY_BYTES=str(1 << 30),
         ZEN_MLA_LOG_LEVEL="warning",
+        ZEN_MLA_SYSTEM_SHM="true" if system_shm else "false",
     )
     proc = subprocess.Popen(
         [
@@ -140,70 +173,225 @@ def transfer(url: str, mib: int, direction: str, reps: int) -> tuple[float, floa
     return statistics.median(ingest), statistics.median(egress)
 
 
+def to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A numpy view of `t`; bf16 as ml_dtypes.bfloat16, which tritonclient sends as BF16."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A torch view of `a`, as PrefillClient returns its results (bf16 out, fp32 lse)."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def output_names(params: dict[str, Any]) -> tuple[str, ...]:
+    return ("out", "lse") if params["return_lse"] else ("out",)
+
+
+def v2_binary(
+    client: Any, arrays: dict[str, np.ndarray[Any, Any]], params: dict[str, Any]
+) -> tuple[torch.Tensor, ...]:
+    """POST /v2/models/mla_prefill/infer, the tensors as binary data after the JSON."""
+    inputs = []
+    for name, a in arrays.items():
+        x = triton.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+        x.set_data_from_numpy(a, binary_data=True)
+        inputs.append(x)
+    names = output_names(params)
+    outputs = [triton.InferRequestedOutput(n, binary_data=True) for n in names]
+    result = client.infer(MODEL, inputs, outputs=outputs, parameters=params)
+    return tuple(to_torch(result.as_numpy(n)) for n in names)
+
+
+def _packed(sizes: list[int], align: int = 64) -> tuple[list[int], int]:
+    """Offsets of consecutive `sizes`-byte tensors in one region, each `align`ed; its size."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    return offsets, max(end, align)
+
+
+class V2Shm:
+    """One batch's tensors in system shared memory: the inputs placed once in a region, one
+    region for the outputs, both registered with the service; `infer` names them. A context
+    manager: the regions are unregistered and destroyed on exit."""
+
+    def __init__(
+        self,
+        client: Any,
+        tag: str,
+        arrays: dict[str, np.ndarray[Any, Any]],
+        params: dict[str, Any],
+    ) -> None:
+        self.client, self.params = client, params
+        self.regions: list[tuple[str, Any]] = []
+        base = f"zen_mla_bench_{os.getpid()}_{tag}"
+        self.in_name, self.out_name = f"{base}_in", f"{base}_out"
+        try:
+            offsets, size = _packed([a.nbytes for a in arrays.values()])
+            handle = self._region(self.in_name, size)
+            self.inputs: list[tuple[str, list[int], str, int, int]] = []
+            for (name, a), offset in zip(arrays.items(), offsets, strict=True):
+                triton_shm.set_shared_memory_region(handle, [a], offset=offset)
+                dtype = np_to_triton_dtype(a.dtype)
+                self.inputs.append((name, list(a.shape), dtype, offset, a.nbytes))
+            tq, h = arrays["q"].shape[:2]
+            dv = arrays["v"].shape[2]
+            want = {"out": tq * h * dv * 2, "lse": h * tq * 4}  # bf16 [Tq, H, Dv], fp32 [H, Tq]
+            names = output_names(params)
+            offsets, size = _packed([want[n] for n in names])
+            self.out_handle = self._region(self.out_name, size)
+            self.outputs = {n: (offset, want[n]) for n, offset in zip(names, offsets, strict=True)}
+        except BaseException:
+            self.close()
+            raise
+
+    def _region(self, name: str, size: int) -> Any:
+        handle = triton_shm.create_shared_memory_region(name, "/" + name, size, create_only=True)
+        self.regions.append((name, handle))
+        self.client.register_system_shared_memory(name, "/" + name, size)
+        return handle
+
+    def infer(self) -> tuple[torch.Tensor, ...]:
+        """The request naming the regions, and views of the outputs the service wrote there
+        (valid until the next request)."""
+        inputs = []
+        for name, shape, dtype, offset, nbytes in self.inputs:
+            x = triton.InferInput(name, shape, dtype)
+            x.set_shared_memory(self.in_name, nbytes, offset=offset)
+            inputs.append(x)
+        outputs = []
+        for name, (offset, nbytes) in self.outputs.items():
+            o = triton.InferRequestedOutput(name)
+            o.set_shared_memory(self.out_name, nbytes, offset=offset)
+            outputs.append(o)
+        result = self.client.infer(MODEL, inputs, outputs=outputs, parameters=self.params)
+        got = []
+        for name, (offset, _) in self.outputs.items():
+            meta = result.get_output(name)
+            dtype = triton_to_np_dtype(meta["datatype"])
+            a = triton_shm.get_contents_as_numpy(self.out_handle, dtype, meta["shape"], offset)
+            got.append(to_torch(a))
+        return tuple(got)
+
+    def close(self) -> None:
+        """Unregister and destroy every region, even when one of them fails. No view of the
+        outputs may be alive (closing a mapping with views raises BufferError)."""
+        with contextlib.ExitStack() as stack:
+            while self.regions:
+                name, handle = self.regions.pop(0)
+                stack.callback(triton_shm.destroy_shared_memory_region, handle)
+                stack.callback(self.client.unregister_system_shared_memory, name)
+
+    def __enter__(self) -> V2Shm:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def check_same(name: str, want: object, *got: tuple[torch.Tensor, ...]) -> None:
+    """The v2 routes' results are the /prefill route's (same server, same kernel), once per
+    batch before timing: a fast wrong answer is no result."""
+    ref = want if isinstance(want, tuple) else (want,)
+    for g in got:
+        assert len(g) == len(ref), f"{name}: {len(g)} outputs, want {len(ref)}"
+        for r, t in zip(ref, g, strict=True):
+            torch.testing.assert_close(t, r, msg=lambda m: f"{name}: {m}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     uds = f"/tmp/zen-mla-bench-{os.getpid()}.sock"
-    servers = {http: start_server(http) for http in ("httptools", "h11")}
-    servers["uds"] = start_server("httptools", uds)
+    servers = {"httptools": start_server("httptools", system_shm=True)}
     try:
-        rows, ratios = [], {}
+        servers["h11"] = start_server("h11")
+        servers["uds"] = start_server("httptools", uds)
+        rows: list[list[str]] = []
+        ratios: dict[str, dict[str, float]] = {}
+        url = servers["httptools"][1]
         with (
-            PrefillClient(servers["httptools"][1], shared_memory=False) as tcp,
+            PrefillClient(url, shared_memory=False) as tcp,
             PrefillClient(servers["uds"][1], uds=uds, shared_memory=False) as unix,
-            PrefillClient(servers["httptools"][1], shared_memory=True) as shm,
+            PrefillClient(url, shared_memory=True) as shm,
+            triton.InferenceServerClient(
+                url.removeprefix("http://"), connection_timeout=60.0, network_timeout=600.0
+            ) as v2,
         ):
             for name, spec in c.REFERENCE_BATCHES.items():
                 x = c.make_inputs(spec)
                 a = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
                 # the same inputs built in the client's regions: sent without a copy
                 z = tuple(shm.empty(t.shape, t.dtype).copy_(t) for t in a[:3]) + a[3:]
-                kw = {"causal": spec.causal, "return_lse": spec.return_lse}
-                med = c.paired_medians(
-                    {
-                        "in-process": lambda a=a, kw=kw: zen_mla.ragged_attention(*a, **kw),
-                        "tcp": lambda a=a, kw=kw: tcp.prefill(*a, **kw),
-                        "uds": lambda a=a, kw=kw: unix.prefill(*a, **kw),
-                        "shm": lambda a=a, kw=kw: shm.prefill(*a, **kw),
-                        "shm empty()": lambda z=z, kw=kw: shm.prefill(*z, **kw),
-                    },
-                    args.reps,
-                )
+                kw: dict[str, Any] = {"causal": spec.causal, "return_lse": spec.return_lse}
+                arrays = {n: to_numpy(x[n]) for n in INPUTS}  # views: converted once
+                with V2Shm(v2, name, arrays, kw) as v2shm:
+                    check_same(
+                        name,
+                        tcp.prefill(*a, **kw),
+                        v2_binary(v2, arrays, kw),
+                        v2shm.infer(),
+                    )
+                    med = c.paired_medians(
+                        {
+                            "in-process": partial(zen_mla.ragged_attention, *a, **kw),
+                            "tcp": partial(tcp.prefill, *a, **kw),
+                            "uds": partial(unix.prefill, *a, **kw),
+                            "shm": partial(shm.prefill, *a, **kw),
+                            "shm empty()": partial(shm.prefill, *z, **kw),
+                            "v2 binary": partial(v2_binary, v2, arrays, kw),
+                            "v2 shm": v2shm.infer,
+                        },
+                        args.reps,
+                    )
                 base = med["in-process"]
-                for method in ("tcp", "uds", "shm", "shm empty()"):
-                    ratios[f"{name}\n{method}"] = med[method] / base
+                ratios[name] = {m: med[m] / base for m in METHODS}
                 mib = sum(t.nbytes for t in x.values()) / 2**20
                 rows.append(
                     [
                         name,
                         f"{mib:.0f}",
                         f"{base * 1e3:.2f}",
-                        *(
-                            f"{med[m] * 1e3:.2f} ({med[m] / base:.2f})"
-                            for m in ("tcp", "uds", "shm", "shm empty()")
-                        ),
+                        *(f"{med[m] * 1e3:.2f} ({med[m] / base:.2f})" for m in METHODS),
                     ]
                 )
             one = c.make_inputs(c.RefBatch([1], [1], causal=True, return_lse=False))
             a1 = (one["q"], one["k"], one["v"], one["q_cu_seq_lens"], one["kv_cu_seq_lens"])
-            tiny = c.paired_medians(
-                {
-                    "in-process": lambda: zen_mla.ragged_attention(*a1),
-                    "tcp": lambda: tcp.prefill(*a1),
-                    "uds": lambda: unix.prefill(*a1),
-                    "shm": lambda: shm.prefill(*a1),
-                },
-                max(25, args.reps),
-            )
+            kw1 = {"causal": True, "return_lse": False}
+            arrays1 = {n: to_numpy(one[n]) for n in INPUTS}
+            with V2Shm(v2, "one", arrays1, kw1) as v2shm1:
+                check_same("one", tcp.prefill(*a1), v2_binary(v2, arrays1, kw1), v2shm1.infer())
+                tiny = c.paired_medians(
+                    {
+                        "in-process": partial(zen_mla.ragged_attention, *a1),
+                        "tcp": partial(tcp.prefill, *a1),
+                        "uds": partial(unix.prefill, *a1),
+                        "shm": partial(shm.prefill, *a1),
+                        "v2 binary": partial(v2_binary, v2, arrays1, kw1),
+                        "v2 shm": v2shm1.infer,
+                    },
+                    max(25, args.reps),
+                )
         print("End to end (httptools), paired medians: ms (ratio to in-process)\n")
-        header = ["batch", "body MiB", "in-process ms", "tcp", "uds", "shm", "shm empty()"]
+        header = ["batch", "body MiB", "in-process ms", *METHODS]
         print(c.table(header, rows))
         print("\nOne token (dispatch overhead), median ms\n")
         print(c.table(list(tiny), [[f"{t * 1e3:.2f}" for t in tiny.values()]]))
 
         io_rows = []
-        for http, (_, u) in list(servers.items())[:2]:
+        for http in ("httptools", "h11"):
+            u = servers[http][1]
             for mib in (64, 256):
                 ingest, _ = transfer(u, mib, "ingest", max(3, args.reps // 2))
                 _, egress = transfer(u, mib, "egress", max(3, args.reps // 2))
@@ -214,23 +402,30 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(uds)  # the service leaves its socket file behind
     plot(ratios, io_rows)
 
 
-def plot(ratios: dict[str, float], io_rows: list[list[str]]) -> None:
+def plot(ratios: dict[str, dict[str, float]], io_rows: list[list[str]]) -> None:
+    """Left: each batch's time per method over in-process (grouped bars, one colour per
+    method); right: ingest and egress rates."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     c.OUT_DIR.mkdir(exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.5))
-    left.bar(list(ratios), list(ratios.values()), color="tab:blue")
-    left.tick_params(axis="x", labelsize=6)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(18, 4.5), width_ratios=(3, 1))
+    width = 0.8 / len(METHODS)
+    for i, method in enumerate(METHODS):
+        xs_m = [b + (i - (len(METHODS) - 1) / 2) * width for b in range(len(ratios))]
+        left.bar(xs_m, [r[method] for r in ratios.values()], width, label=method)
+    left.set_xticks(range(len(ratios)), list(ratios))
     left.axhline(1.0, color="black", linewidth=0.8)
     left.axhline(1.1, color="tab:red", linestyle="--", linewidth=0.8, label="shm target 1.1")
     left.set_ylabel("e2e / in-process time (lower is better)")
-    left.legend()
+    left.legend(fontsize=8, ncols=2)
     labels = [f"{r[0]}\n{r[1]}" for r in io_rows]
     xs = range(len(io_rows))
     right.bar([x - 0.2 for x in xs], [float(r[2]) for r in io_rows], 0.4, label="ingest")
