@@ -36,12 +36,13 @@ from .exchange import (
     ServiceState,
     admit,
     compute,
+    drop_body,
     gate,
     handle,
+    receive,
     stream,
     timed,
 )
-from .ingest import give_back, read_body
 from .kserve import add_routes as add_kserve_routes
 from .problems import PROBLEM_RESPONSES, Problem, problem
 from .regions import answer as region_answer
@@ -272,21 +273,11 @@ async def _from_body(
     """A safetensors body: read into shared memory, decoded as views, read there in place."""
     s = state.settings
     x.ticket = admit(state, request, s.max_body_bytes)
-    n = int(request.headers["content-length"])
-    loop = asyncio.get_running_loop()
-    x.buf = await read_body(
-        request.receive,
-        n,
-        engine,
-        min_rate=s.min_body_rate,
-        grace_s=s.body_grace_s,
-        deadline_at=loop.time() - (time.perf_counter() - x.t0) + s.deadline_s,
-        deadline_s=s.deadline_s,
-    )
-    x.bytes_in = n
+    buf = await receive(state, request, engine, x)
+    n = x.bytes_in
     ingest_s = time.perf_counter() - x.t0
     x.ticket.uploaded()
-    tensors, meta = wire.decode(x.buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
+    tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
     x.request_id = meta.get("request_id")
     options = wire.parse_options(meta)
     prepared = engine.prepare_tensors(
@@ -296,10 +287,9 @@ async def _from_body(
         scale=options.scale,
         kernel=options.kernel,
     )
-    run = functools.partial(engine.run, prepared, inputs=x.buf)
+    run = functools.partial(engine.run, prepared, inputs=buf)
     result, timing = await compute(state, request, prepared, run, x)
-    held, x.buf = x.buf, None
-    await give_back(engine, held)
+    await drop_body(engine, x)
     response = _send(result, x.request_id)
     x.status, x.bytes_out = 200, int(response.headers["content-length"])
     return timed(response, ingest_s, *timing, x)

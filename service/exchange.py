@@ -35,7 +35,7 @@ from zen_mla.pool import SharedBuffer
 from zen_mla.region_server import RegionServer
 from zen_mla.regions import RegionRegistry
 
-from .ingest import SMALL_BYTES, Admission, Ticket, give_back
+from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
 from .metrics import Metrics
 from .settings import Settings
 from .system_shm import SystemShmRegistry
@@ -46,8 +46,10 @@ __all__ = [
     "ServiceState",
     "admit",
     "compute",
+    "drop_body",
     "gate",
     "handle",
+    "receive",
     "stream",
     "timed",
 ]
@@ -124,6 +126,35 @@ def admit(state: ServiceState, request: Request, limit: int) -> Ticket:
     return state.admission.admit(n)
 
 
+async def receive(
+    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange, lead: int = 0
+) -> SharedBuffer:
+    """The admitted body (its Content-Length) in a pool buffer from byte `lead` on, read no
+    slower than the minimum rate and within the deadline; it is `x.buf` from then on."""
+    s = state.settings
+    n = content_length(request)
+    loop = asyncio.get_running_loop()
+    x.buf = await read_body(
+        request.receive,
+        n,
+        engine,
+        min_rate=s.min_body_rate,
+        grace_s=s.body_grace_s,
+        deadline_at=loop.time() + x.remaining(s.deadline_s),
+        deadline_s=s.deadline_s,
+        lead=lead,
+    )
+    x.bytes_in = n
+    return x.buf
+
+
+async def drop_body(engine: PrefillEngine, x: Exchange) -> None:
+    """The body's buffer back to the pool once read (before the answer is sent)."""
+    held, x.buf = x.buf, None
+    if held is not None:
+        await give_back(engine, held)
+
+
 async def _disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -182,8 +213,8 @@ async def handle(
         x.status = 500
         return answer_error(KernelError(f"internal error: {type(exc).__name__}: {exc}"), x, None)
     finally:
-        if x.buf is not None and state.engine is not None:
-            await give_back(state.engine, x.buf)
+        if state.engine is not None:
+            await drop_body(state.engine, x)
         if x.ticket is not None:
             x.ticket.close()
         total = time.perf_counter() - x.t0

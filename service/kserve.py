@@ -47,12 +47,14 @@ from .exchange import (
     authorize,
     compute,
     content_length,
+    drop_body,
     gate,
     handle,
+    receive,
     stream,
     timed,
 )
-from .ingest import SMALL_BYTES, give_back, read_body
+from .ingest import SMALL_BYTES
 from .problems import problem_headers
 from .system_shm import SystemRegion, SystemShmRegistry
 
@@ -287,28 +289,17 @@ async def _infer(
             f"{json_bytes}; send tensors as binary data (binary_data_size)"
         )
     lead = -json_bytes % ALIGN
-    loop = asyncio.get_running_loop()
-    x.buf = await read_body(
-        request.receive,
-        n,
-        engine,
-        min_rate=s.min_body_rate,
-        grace_s=s.body_grace_s,
-        deadline_at=loop.time() + x.remaining(s.deadline_s),
-        deadline_s=s.deadline_s,
-        lead=lead,
-    )
-    x.bytes_in = n
+    buf = await receive(state, request, engine, x, lead)
     ingest_s = time.perf_counter() - x.t0
     x.ticket.uploaded()
-    raw = bytes(x.buf.bytes_view[lead : lead + json_bytes])
+    raw = bytes(buf.bytes_view[lead : lead + json_bytes])
     req, tensors = await _read_request(raw, n - json_bytes, big_json)
     del raw
     x.request_id = req.id
     if req.uses_shm and not s.system_shm:
         raise _shm_off()
-    tensors |= _inputs(req, x.buf, lead + json_bytes, state.system_shm)
-    homes, staging = _place_inputs(engine, tensors, x.buf, req, state.system_shm)
+    tensors |= _inputs(req, buf, lead + json_bytes, state.system_shm)
+    homes, staging = _place_inputs(engine, tensors, buf, req, state.system_shm)
     try:
         prepared = engine.prepare_tensors(
             tensors,
@@ -328,8 +319,7 @@ async def _infer(
     finally:
         if staging is not None:
             engine.release(staging)
-    held, x.buf = x.buf, None  # read by now: back to the pool before the answer is sent
-    await give_back(engine, held)
+    await drop_body(engine, x)
     response = await _respond(req, result, places, direct is not None)
     x.status = 200
     x.bytes_out = int(response.headers.get("content-length", 0))

@@ -257,6 +257,21 @@ def _parameters(raw: object) -> dict[str, Any]:
     return out
 
 
+def _tensor_parameters(name: str, raw: object, binary_key: str) -> dict[str, Any]:
+    """A tensor's `parameters`: `binary_key` and the shared-memory ones, no others."""
+    params = raw or {}
+    if not isinstance(params, dict):
+        raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
+    unknown = sorted(set(params) - {binary_key, *_SHM_KEYS})
+    if unknown:
+        raise InvalidInputError(
+            f"{name}.parameters",
+            f"names among {binary_key}, " + ", ".join(_SHM_KEYS),
+            repr(unknown[0])[:60],
+        )
+    return params
+
+
 def _shm_place(name: str, params: Mapping[str, Any]) -> ShmPlace | None:
     given = [k for k in _SHM_KEYS if k in params]
     if not given:
@@ -292,16 +307,7 @@ def _input(raw: object, binary_at: int) -> InputSpec:
     if len(shape) != ndim:
         layout = "[T, H, D]" if ndim == 3 else "[B + 1]"
         raise InvalidInputError(f"{name}.shape", f"{ndim} dimensions {layout}", str(shape)[:60])
-    params = raw.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
-    unknown = sorted(set(params) - {"binary_data_size", *_SHM_KEYS})
-    if unknown:
-        raise InvalidInputError(
-            f"{name}.parameters",
-            "names among binary_data_size, " + ", ".join(_SHM_KEYS),
-            repr(unknown[0])[:60],
-        )
+    params = _tensor_parameters(name, raw.get("parameters"), "binary_data_size")
     spec = InputSpec(name, datatype, tuple(shape))
     shm = _shm_place(name, params)
     sources = [
@@ -361,16 +367,7 @@ def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[Outpu
             raise InvalidInputError(
                 "lse", "the parameter return_lse: true to compute it", "return_lse false"
             )
-        params = item.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
-        unknown = sorted(set(params) - {"binary_data", *_SHM_KEYS})
-        if unknown:
-            raise InvalidInputError(
-                f"{name}.parameters",
-                "names among binary_data, " + ", ".join(_SHM_KEYS),
-                repr(unknown[0])[:60],
-            )
+        params = _tensor_parameters(name, item.get("parameters"), "binary_data")
         binary = _flag(f"{name}.binary_data", params.get("binary_data", binary_default))
         specs[name] = OutputSpec(name, binary=binary, shm=_shm_place(name, params))
     return tuple(specs.values())
