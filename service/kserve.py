@@ -309,7 +309,7 @@ async def _infer(
             kernel=req.kernel,
         )
         places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
-        direct = _direct_outputs(req, prepared, places)
+        direct = _direct_outputs(req, places)
         run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
         try:
             result, timing = await compute(state, request, prepared, run, x)
@@ -532,7 +532,6 @@ def _output_places(
 
 def _direct_outputs(
     req: kr.InferRequest,
-    prepared: PrefillRequest,
     places: dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None],
 ) -> Outputs | None:
     """Where the workers write when every output computed goes to one region (no copy): that
