@@ -39,6 +39,7 @@ from .exchange import (
     drop_body,
     gate,
     handle,
+    prepare,
     receive,
     stream,
     timed,
@@ -280,13 +281,7 @@ async def _from_body(
     tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
     x.request_id = meta.get("request_id")
     options = wire.parse_options(meta)
-    prepared = engine.prepare_tensors(
-        tensors,
-        causal=options.causal,
-        return_lse=options.return_lse,
-        scale=options.scale,
-        kernel=options.kernel,
-    )
+    prepared = prepare(engine, tensors, options)
     run = functools.partial(engine.run, prepared, inputs=buf)
     result, timing = await compute(state, request, prepared, run, x)
     await drop_body(engine, x)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -34,6 +35,7 @@ from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillRes
 from zen_mla.pool import SharedBuffer
 from zen_mla.region_server import RegionServer
 from zen_mla.regions import RegionRegistry
+from zen_mla.wire import PrefillOptions
 
 from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
 from .metrics import Metrics
@@ -49,6 +51,7 @@ __all__ = [
     "drop_body",
     "gate",
     "handle",
+    "prepare",
     "receive",
     "stream",
     "timed",
@@ -182,6 +185,20 @@ class Exchange:
 
     def remaining(self, deadline_s: float) -> float:
         return deadline_s - (time.perf_counter() - self.t0)
+
+
+def prepare(
+    engine: PrefillEngine, tensors: dict[str, torch.Tensor], options: PrefillOptions
+) -> PrefillRequest:
+    """A request's tensors, validated and within the work cap, with the kernels chosen for
+    `options` (whichever wire format they came in)."""
+    return engine.prepare_tensors(
+        tensors,
+        causal=options.causal,
+        return_lse=options.return_lse,
+        scale=options.scale,
+        kernel=options.kernel,
+    )
 
 
 ErrorAnswer = Callable[[ZenMLAError, "Exchange", dict[str, str] | None], Response]

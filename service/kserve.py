@@ -50,6 +50,7 @@ from .exchange import (
     drop_body,
     gate,
     handle,
+    prepare,
     receive,
     stream,
     timed,
@@ -301,13 +302,7 @@ async def _infer(
     tensors |= _inputs(req, buf, lead + json_bytes, state.system_shm)
     homes, staging = _place_inputs(engine, tensors, buf, req, state.system_shm)
     try:
-        prepared = engine.prepare_tensors(
-            tensors,
-            causal=req.causal,
-            return_lse=req.return_lse,
-            scale=req.scale,
-            kernel=req.kernel,
-        )
+        prepared = prepare(engine, tensors, req.options)
         places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
         direct = _direct_outputs(req, places)
         run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)

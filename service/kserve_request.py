@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, WireFormatError
+from zen_mla.wire import PrefillOptions
 
 __all__ = [
     "DATATYPES",
@@ -149,6 +150,10 @@ class InferRequest:
     def __post_init__(self) -> None:
         shm = any(i.shm for i in self.inputs.values()) or any(o.shm for o in self.outputs)
         object.__setattr__(self, "uses_shm", shm)
+
+    @property
+    def options(self) -> PrefillOptions:
+        return PrefillOptions(self.causal, self.return_lse, self.scale, self.kernel, self.id)
 
 
 def parse_header(raw: bytes | memoryview) -> object:

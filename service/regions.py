@@ -16,6 +16,8 @@ from zen_mla.pool import Outputs, SharedBuffer
 from zen_mla.regions import RegionRegistry, check_disjoint
 from zen_mla.wire import NAMES, REQUEST_TENSORS, PrefillOptions, parse_options
 
+from .exchange import prepare
+
 __all__ = ["RegionWork", "answer", "resolve"]
 
 _VALUES = ("BF16", "F16", "F32")
@@ -44,13 +46,7 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
         for name, place in places.items()
         if name in REQUEST_TENSORS
     }
-    prepared = engine.prepare_tensors(
-        tensors,
-        causal=options.causal,
-        return_lse=options.return_lse,
-        scale=options.scale,
-        kernel=options.kernel,
-    )
+    prepared = prepare(engine, tensors, options)
     batch = prepared.batch
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
         "out": ((batch.q.shape[0], batch.num_heads, batch.v_head_dim), batch.v.dtype)
