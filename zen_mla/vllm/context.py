@@ -1,0 +1,243 @@
+"""One prefill step with cached context sent at once: `ContextKV` and `prefill_with_context`,
+and the checks every answer of the service passes before it is returned as numbers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol, overload
+
+import torch
+
+from .._errors import InvalidInputError, KernelError
+from ..merge import merge_many
+from .settings import DEFAULT_CONCURRENCY
+
+__all__ = [
+    "ContextKV",
+    "Prefiller",
+    "call",
+    "check_out",
+    "check_result",
+    "lse_of",
+    "pool",
+    "prefill_with_context",
+]
+
+PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class Prefiller(Protocol):
+    """What computes a piece: a `zen_mla.client.PrefillClient`, or the backend's link to the
+    service (which computes locally while the service is down)."""
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+    ) -> PrefillResult: ...
+
+
+class _Pools:
+    """The thread pools that send a step's pieces, one per size, shared per process.
+
+    `_lock` guards `_pools`."""
+
+    _lock = threading.Lock()
+    _pools: ClassVar[dict[int, ThreadPoolExecutor]] = {}
+
+    @classmethod
+    def get(cls, max_concurrency: int) -> ThreadPoolExecutor:
+        with cls._lock:
+            if max_concurrency not in cls._pools:
+                cls._pools[max_concurrency] = ThreadPoolExecutor(
+                    max_concurrency, thread_name_prefix="zen-mla-prefill"
+                )
+            return cls._pools[max_concurrency]
+
+
+def pool(max_concurrency: int) -> ThreadPoolExecutor:
+    """The process's thread pool of that size."""
+    return _Pools.get(max_concurrency)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextKV:
+    """The keys and values of one context chunk, for every request of a step.
+
+    `k`: `[Tk, H, Dqk]`, `v`: `[Tk, H, Dv]` (q's dtype); `cu_seq_lens`: `[B + 1]` int32/int64
+    offsets of each request's keys in this chunk (a request may have none).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seq_lens: torch.Tensor
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def check_out(out: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    want = (q.shape[0], q.shape[1], v.shape[-1])
+    if tuple(out.shape) != want or out.dtype != v.dtype:
+        raise InvalidInputError(
+            "out", f"{list(want)} {str(v.dtype).removeprefix('torch.')} (v's dtype)", _describe(out)
+        )
+
+
+def check_result(
+    out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor
+) -> None:
+    """The edge to the network: a reply of the wrong shape or dtype is an error, never numbers."""
+    t, h, dv = q.shape[0], q.shape[1], v.shape[-1]
+    if tuple(out.shape) != (t, h, dv) or out.dtype != v.dtype:
+        want = f"{[t, h, dv]} {str(v.dtype).removeprefix('torch.')} (v's dtype)"
+        raise KernelError(f"the service sent out {_describe(out)}, expected {want}")
+    if lse is not None and (tuple(lse.shape) != (h, t) or lse.dtype != torch.float32):
+        raise KernelError(f"the service sent lse {_describe(lse)}, expected {[h, t]} float32")
+
+
+def call(
+    client: Prefiller,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu: torch.Tensor,
+    kv_cu: torch.Tensor | None,
+    *,
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One piece through `client`, its answer checked (`check_result`); lse is None unless
+    `return_lse`."""
+    got = client.prefill(q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, scale=scale)
+    out, lse = got if isinstance(got, tuple) else (got, None)
+    if return_lse and lse is None:
+        raise KernelError("the service sent no lse where one was asked for")
+    check_result(out, lse, q, v)
+    return out, lse
+
+
+@overload
+def prefill_with_context(
+    client: Prefiller,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context: Sequence[ContextKV],
+    *,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+    out: torch.Tensor | None = None,
+    executor: Executor | None = None,
+) -> torch.Tensor: ...
+@overload
+def prefill_with_context(
+    client: Prefiller,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context: Sequence[ContextKV],
+    *,
+    scale: float | None = None,
+    return_lse: Literal[True],
+    out: torch.Tensor | None = None,
+    executor: Executor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def prefill_with_context(
+    client: Prefiller,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context: Sequence[ContextKV],
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    executor: Executor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One prefill step with cached context: new tokens and every context chunk sent to the
+    service at once, merged by LSE.
+
+    Equals bottom-right causal attention of each request's new tokens over its context (the
+    chunks' keys, in any order) followed by its new tokens.
+
+    Args:
+        client: what computes each piece: a `PrefillClient` (several endpoints spread
+            the pieces) or a backend's link to the service.
+        q: `[T, H, Dqk]` new tokens' queries; k `[T, H, Dqk]`, v `[T, H, Dv]` their keys and
+            values (bf16, fp16 or fp32, one dtype).
+        query_start_loc: `[B + 1]` int32/int64 offsets of each request's new tokens.
+        context: the step's context chunks; empty means no request has context.
+        scale: score scale, default `Dqk ** -0.5`.
+        return_lse: also return the merged LSE, `[H, T]` fp32, natural log.
+        out: `[T, H, Dv]` in v's dtype to write into; default a new tensor.
+        executor: runs the requests; default a pool of `DEFAULT_CONCURRENCY` threads
+            shared per process.
+
+    Returns:
+        out `[T, H, Dv]` (v's dtype, q's device), or `(out, lse)`.
+
+    Raises:
+        the `zen_mla` exception the service or the client raised for any piece (after every
+        piece has finished: no request is left running behind the caller's back).
+    """
+    if out is not None:
+        check_out(out, q, v)
+    if not context:
+        new_out, new_lse = call(
+            client, q, k, v, query_start_loc, None, causal=True, return_lse=return_lse, scale=scale
+        )
+        if out is not None:
+            out.copy_(new_out)
+            new_out = out
+        return (new_out, lse_of(new_lse)) if return_lse else new_out
+
+    runner = executor if executor is not None else pool(DEFAULT_CONCURRENCY)
+    pieces = [
+        runner.submit(
+            call, client, q, k, v, query_start_loc, None, causal=True, return_lse=True, scale=scale
+        )
+    ]
+    pieces += [
+        runner.submit(
+            call,
+            client,
+            q,
+            c.k,
+            c.v,
+            query_start_loc,
+            c.cu_seq_lens,
+            causal=False,
+            return_lse=True,
+            scale=scale,
+        )
+        for c in context
+    ]
+    concurrent.futures.wait(pieces)
+    results = [p.result() for p in pieces]  # raises the first piece's error, in order
+    merged, merged_lse = merge_many(
+        [o for o, _ in results], [lse_of(x) for _, x in results], output=out
+    )
+    return (merged, merged_lse) if return_lse else merged
+
+
+def lse_of(lse: torch.Tensor | None) -> torch.Tensor:
+    if lse is None:
+        raise KernelError("the service sent no lse where one was asked for")
+    return lse

@@ -1,0 +1,244 @@
+"""The way to the service for one `RemoteSettings`: its client, whether the service is up, and
+the local computation while it is not.
+
+    link = ServiceLink.of(settings)       # one per settings and process, shared by every layer
+    out, lse = link.prefill(q, k, v, q_cu, kv_cu, causal=False, return_lse=True, scale=s)
+
+While the service answers, every call goes to it. When a call cannot get an answer (the service
+is unreachable, answers 503 or 504, times out, or sends something that is not an answer), the
+link goes down: that call and every one after it is computed here with
+`zen_mla.ragged_attention` (same semantics, same LSE), and a thread probes `/health` after 1,
+2, 4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next call goes to the
+service again. One log line at each change, one per failed probe; `stats` counts the calls.
+With `RemoteSettings.fallback` off, a failed call raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import httpx
+import torch
+
+from .._errors import QueueFullError, ZenMLAError
+from ..client import PrefillClient
+from .context import PrefillResult, call
+from .settings import RemoteSettings, healthy
+
+__all__ = ["ServiceLink", "Stats", "StatsSnapshot", "stats"]
+
+logger = logging.getLogger("zen_mla.vllm")
+
+# What a call to the service can fail with when it got no usable answer. Whatever the client
+# raises is one of these (a ZenMLAError, or httpx/OS errors from below it).
+_NO_ANSWER = (ZenMLAError, httpx.HTTPError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """Calls since the process started: `remote` answered by the service, `local` computed in
+    this process because it could not be (`fallback`), `outages` times a link went down."""
+
+    remote: int
+    local: int
+    outages: int
+
+
+class Stats:
+    """Counters of every link in this process (`zen_mla.vllm.stats`); `_lock` guards them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._remote = self._local = self._outages = 0
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            return StatsSnapshot(self._remote, self._local, self._outages)
+
+    def add(self, remote: int = 0, local: int = 0, outages: int = 0) -> None:
+        with self._lock:
+            self._remote += remote
+            self._local += local
+            self._outages += outages
+
+
+stats = Stats()
+
+
+def _local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu: torch.Tensor,
+    kv_cu: torch.Tensor | None,
+    *,
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+) -> PrefillResult:
+    """The call computed in this process, as the service computes it (on the CPU: tensors on
+    another device come back there)."""
+    from .. import ragged_attention  # torch's kernels load on first use
+
+    device = q.device
+    qc, kc, vc, q_cu_c = (t.cpu() for t in (q, k, v, q_cu))
+    kv_cu_c = kv_cu.cpu() if kv_cu is not None else None
+    if return_lse:
+        out, lse = ragged_attention(
+            qc, kc, vc, q_cu_c, kv_cu_c, causal=causal, return_lse=True, scale=scale
+        )
+        return out.to(device), lse.to(device)
+    return ragged_attention(qc, kc, vc, q_cu_c, kv_cu_c, causal=causal, scale=scale).to(device)
+
+
+class ServiceLink:
+    """One settings' client and state. A `PrefillClient` is safe to call from several threads;
+    `_lock` guards `_client`, `_down_since`, `_wait` and `_prober`."""
+
+    _links_lock = threading.Lock()
+    _links: ClassVar[dict[RemoteSettings, ServiceLink]] = {}
+
+    @classmethod
+    def of(cls, settings: RemoteSettings) -> ServiceLink:
+        """The process's link for these settings (vLLM builds one backend per attention layer,
+        and 61 layers need not hold 61 connection pools)."""
+        with cls._links_lock:
+            if settings not in cls._links:
+                cls._links[settings] = cls(settings)
+            return cls._links[settings]
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._client = self._new_client()
+        self._down_since: float | None = None
+        self._local_calls = 0  # during the current outage
+        self._wait = settings.probe_interval_s
+        self._prober: threading.Thread | None = None
+
+    def _new_client(self) -> PrefillClient:
+        s = self.settings
+        # With the fallback, a call that cannot be answered now is computed here rather than
+        # retried: the client's retries wait on Retry-After (up to 30 s each).
+        retries = 0 if s.fallback else 3
+        timeout = httpx.Timeout(s.request_timeout_s, connect=min(s.request_timeout_s, 5.0))
+        return PrefillClient(list(s.urls), token=s.token, timeout=timeout, retries=retries)
+
+    @property
+    def client(self) -> PrefillClient:
+        with self._lock:
+            return self._client
+
+    @property
+    def up(self) -> bool:
+        """Whether calls go to the service now."""
+        with self._lock:
+            return self._down_since is None
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+    ) -> PrefillResult:
+        """As `zen_mla.ragged_attention`: by the service while it answers, else (with the
+        fallback) here. The service's answer is checked (`check_result`) before it counts."""
+        args = (q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        if not self.settings.fallback:
+            out, lse = call(self.client, *args, causal=causal, return_lse=return_lse, scale=scale)
+            stats.add(remote=1)
+            return out if lse is None else (out, lse)
+        client = self._client_if_up()
+        if client is not None:
+            try:
+                out, lse = call(client, *args, causal=causal, return_lse=return_lse, scale=scale)
+            except QueueFullError:
+                pass  # busy, not down: this call here, the next one to the service again
+            except _NO_ANSWER as exc:
+                self._went_down(client, exc)
+            else:
+                self._answered()
+                return out if lse is None else (out, lse)
+        with self._lock:
+            self._local_calls += 1
+        stats.add(local=1)
+        return _local(*args, causal=causal, return_lse=return_lse, scale=scale)
+
+    def _client_if_up(self) -> PrefillClient | None:
+        with self._lock:
+            if self._down_since is None:
+                return self._client
+            if self._prober is None or not self._prober.is_alive():
+                # a forked child inherits the state but not the thread
+                self._start_prober()
+            return None
+
+    def _answered(self) -> None:
+        stats.add(remote=1)
+        with self._lock:
+            self._wait = self.settings.probe_interval_s
+
+    def _went_down(self, client: PrefillClient, exc: BaseException) -> None:
+        with self._lock:
+            if self._down_since is not None or client is not self._client:
+                return  # another thread saw it first
+            self._down_since = time.monotonic()
+            self._local_calls = 0
+            self._start_prober()
+            wait = self._wait
+        stats.add(outages=1)
+        logger.warning(
+            "zen-mla: the service at %s gave no answer (%s: %s); computing MLA prefill in this "
+            "process until it is back (next /health probe in %.0f s)",
+            ", ".join(self.settings.urls),
+            type(exc).__name__,
+            exc,
+            wait,
+        )
+
+    def _start_prober(self) -> None:  # with _lock held
+        self._prober = threading.Thread(target=self._probe, name="zen-mla-probe", daemon=True)
+        self._prober.start()
+
+    def _probe(self) -> None:
+        while True:
+            with self._lock:
+                wait = self._wait
+            time.sleep(wait)
+            if healthy(self.settings):
+                break
+            with self._lock:
+                self._wait = min(self._wait * 2, self.settings.probe_max_interval_s)
+                local, next_wait = self._local_calls, self._wait
+            logger.info(
+                "zen-mla: the service at %s is still down; %d calls computed in this process "
+                "so far; next /health probe in %.0f s",
+                ", ".join(self.settings.urls),
+                local,
+                next_wait,
+            )
+        # A new client: the old one may hold connections and same-host regions of a service
+        # that has since restarted.
+        fresh = self._new_client()
+        with self._lock:
+            old, self._client = self._client, fresh
+            down_for = time.monotonic() - (self._down_since or time.monotonic())
+            local, self._down_since = self._local_calls, None
+        old.close()
+        logger.warning(
+            "zen-mla: the service at %s is back after %.1f s; %d calls were computed in this "
+            "process meanwhile",
+            ", ".join(self.settings.urls),
+            down_for,
+            local,
+        )

@@ -1,0 +1,81 @@
+"""zen-mla as a vLLM general plugin: `register()`, the `vllm.general_plugins` entry point
+`zen_mla`, which vLLM calls in every process (main, engine core, workers).
+
+It does nothing unless `ZEN_MLA_URL` is set. When it is set, it registers the backend as vLLM's
+MLA prefill backend `ZEN_MLA`, selected on GPU platforms with
+`--attention-config '{"mla_prefill_backend": "ZEN_MLA"}'`. vLLM's CPU platform ignores
+`mla_prefill_backend` and always takes the first available of its `ZEN_CPU` and `CPU` prefill
+backends: there the plugin points both at zen-mla (vLLM's own registry overrides,
+`register_mla_prefill_backend`), so nothing else needs setting.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+from .backend import BACKEND_NAME
+from .settings import default_settings
+
+__all__ = ["BACKEND_PATH", "VLLM_REGISTRY", "register"]
+
+logger = logging.getLogger("zen_mla.vllm")
+
+VLLM_REGISTRY = "vllm.v1.attention.backends.mla.prefill.registry"
+BACKEND_PATH = "zen_mla.vllm.ZenMLARemotePrefillBackend"
+# what vLLM's CPU platform (vllm/platforms/cpu.py, get_mla_prefill_backend_cls) tries, in order
+CPU_PREFILL_ENTRIES = ("ZEN_CPU", "CPU")
+
+
+def register() -> None:
+    """vLLM's MLA prefill to zen-mla when `ZEN_MLA_URL` is set (see the module); logs one line
+    saying what it did. Safe to call again. Raises `zen_mla.InvalidInputError` for settings
+    that cannot be read (a bad URL, an empty token), so a misconfiguration stops vLLM at start
+    rather than running without the service."""
+    if not os.environ.get("ZEN_MLA_URL", "").strip():
+        logger.debug("zen-mla: ZEN_MLA_URL is not set; vLLM's MLA prefill is left as it is")
+        return
+    settings = default_settings()
+    registry = importlib.import_module(VLLM_REGISTRY)
+    backends = registry.MLAPrefillBackendEnum
+    if BACKEND_NAME in backends.__members__:
+        registry.register_mla_prefill_backend(backends[BACKEND_NAME], BACKEND_PATH)
+    else:
+        registry.register_mla_prefill_backend(BACKEND_NAME, BACKEND_PATH)
+    where = ", ".join(settings.urls)
+    fallback = "computed here while it is down" if settings.fallback else "no fallback"
+    platform = importlib.import_module("vllm.platforms").current_platform
+    if not platform.is_cpu():
+        logger.info(
+            "zen-mla: registered MLA prefill backend %s (service %s, %s); select it with "
+            '--attention-config \'{"mla_prefill_backend": "%s"}\'',
+            BACKEND_NAME,
+            where,
+            fallback,
+            BACKEND_NAME,
+        )
+        return
+    for name in CPU_PREFILL_ENTRIES:
+        registry.register_mla_prefill_backend(backends[name], BACKEND_PATH)
+    logger.info(
+        "zen-mla: vLLM's MLA prefill goes to the service %s (%s): CPU platform prefill "
+        "backends %s now point at %s",
+        where,
+        fallback,
+        " and ".join(CPU_PREFILL_ENTRIES),
+        BACKEND_PATH,
+    )
+    if _amx():
+        logger.warning(
+            "zen-mla: this CPU has AMX, where vLLM picks the AMX_MLA attention backend, whose "
+            "prefill calls no prefill backend: zen-mla is not used unless vLLM runs with "
+            "--attention-backend CPU_MLA"
+        )
+
+
+def _amx() -> bool:
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False

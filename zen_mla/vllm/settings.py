@@ -1,0 +1,127 @@
+"""Where the service is, how to reach it, and what to do when it cannot be reached:
+`RemoteSettings`, read once per process from the environment, and `service_ready`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .._errors import InvalidInputError
+from ..client import PrefillClient
+
+__all__ = ["DEFAULT_URL", "RemoteSettings", "default_settings", "service_ready"]
+
+logger = logging.getLogger("zen_mla.vllm")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_CONCURRENCY = 8
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """Where the service is and how to reach it.
+
+    `urls`: one base URL or more (requests go to the least loaded, see `PrefillClient`).
+    `token`: the bearer token, None when the service has none. `health_timeout_s`: how long a
+    `/health` check waits. `max_concurrency`: requests one process keeps in flight for
+    `prefill_with_context`. `fallback`: while the service cannot be reached, compute each call
+    in this process with `zen_mla.ragged_attention` (True) or raise (False).
+    `request_timeout_s`: how long one call may wait for the service before it counts as down.
+    `probe_interval_s` / `probe_max_interval_s`: the first and the longest wait between two
+    `/health` probes of a service that is down (the wait doubles after each failed probe).
+    """
+
+    urls: tuple[str, ...] = (DEFAULT_URL,)
+    token: str | None = field(default=None, repr=False)  # kept out of logs
+    health_timeout_s: float = 3.0
+    max_concurrency: int = DEFAULT_CONCURRENCY
+    fallback: bool = True
+    request_timeout_s: float = 60.0
+    probe_interval_s: float = 1.0
+    probe_max_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise InvalidInputError("ZEN_MLA_URL", "one http(s) URL or more", "none")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise InvalidInputError(
+                    "ZEN_MLA_URL", "http://host:port or https://host:port", repr(url)
+                )
+        if self.token is not None and not self.token.strip():
+            # The service refuses to start with an empty token; a client sending none would get
+            # 401 from a guarded service and hide the misconfiguration from an open one.
+            raise InvalidInputError(
+                "ZEN_MLA_API_TOKEN",
+                "a non-empty token, or the variable unset",
+                "an empty string",
+                "An empty token is not a token",
+            )
+        if self.max_concurrency < 1:
+            raise InvalidInputError("max_concurrency", "1 or more", str(self.max_concurrency))
+        for name in ("health_timeout_s", "request_timeout_s", "probe_interval_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidInputError(name, "seconds > 0", str(getattr(self, name)))
+        if not self.probe_max_interval_s >= self.probe_interval_s:
+            raise InvalidInputError(
+                "probe_max_interval_s",
+                f"seconds >= probe_interval_s ({self.probe_interval_s})",
+                str(self.probe_max_interval_s),
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RemoteSettings:
+        """From `ZEN_MLA_URL` (comma-separated for several endpoints; default
+        `http://127.0.0.1:8000`), `ZEN_MLA_API_TOKEN` (unset: no token; set but empty:
+        refused, as the service refuses it) and `ZEN_MLA_FALLBACK` (`1`, the default: compute
+        locally while the service is down; `0`: raise)."""
+        env = os.environ if environ is None else environ
+        raw = env.get("ZEN_MLA_URL", DEFAULT_URL)
+        urls = tuple(u.strip() for u in raw.split(",") if u.strip())
+        fallback = env.get("ZEN_MLA_FALLBACK", "1").strip().lower()
+        if fallback not in _TRUE + _FALSE:
+            raise InvalidInputError(
+                "ZEN_MLA_FALLBACK", "1 or 0 (true/false, yes/no, on/off)", repr(fallback)
+            )
+        return cls(urls=urls, token=env.get("ZEN_MLA_API_TOKEN"), fallback=fallback in _TRUE)
+
+
+@functools.cache
+def default_settings() -> RemoteSettings:
+    """`RemoteSettings.from_env()`, read once per process (`default_settings.cache_clear()`
+    reads the environment again)."""
+    return RemoteSettings.from_env()
+
+
+def healthy(settings: RemoteSettings) -> bool:
+    """Whether any of the settings' endpoints answers `/health` with status "ok", asked now.
+    Never raises."""
+    for url in settings.urls:
+        try:
+            with PrefillClient(
+                url, token=settings.token, timeout=settings.health_timeout_s, retries=0
+            ) as client:
+                health = client.health()
+        except Exception as exc:  # unreachable, refused, not JSON: all mean "not available"
+            logger.debug("zen-mla at %s is not available: %s", url, exc)
+            continue
+        status = health.get("status") if isinstance(health, dict) else None
+        if status == "ok":
+            return True
+        logger.debug("zen-mla at %s is not ready: /health said %.200r", url, health)
+    return False
+
+
+@functools.cache
+def service_ready(settings: RemoteSettings) -> bool:
+    """`healthy(settings)`, decided once per settings (`service_ready.cache_clear()` asks
+    again), with a warning when it is not. Never raises."""
+    ready = healthy(settings)
+    if not ready:
+        logger.warning("zen-mla at %s is not ready", ", ".join(settings.urls))
+    return ready
