@@ -245,7 +245,7 @@ def test_an_answer_of_the_wrong_shape_or_dtype_is_an_error(out, lse, match):
 
 @pytest.fixture
 def health_says() -> Iterator[Callable[[object], RemoteSettings]]:
-    """A loopback HTTP server whose /health answers the JSON it is given."""
+    """A loopback HTTP server whose /health answers the JSON it is given, and every POST 503."""
     answer: list[object] = [None]
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -254,6 +254,17 @@ def health_says() -> Iterator[Callable[[object], RemoteSettings]]:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # a service that is draining: every prefill a 503
+            body = json.dumps(
+                {"type": "about:blank", "title": "Service Unavailable", "status": 503}
+            ).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/problem+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Retry-After", "1")
             self.end_headers()
             self.wfile.write(body)
 
@@ -360,9 +371,12 @@ def vllm_registry(monkeypatch):
     platforms.current_platform = platform  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, vllm.VLLM_REGISTRY, registry)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    ours = logging.getLogger("zen_mla")  # the plugin hands zen-mla's lines to vLLM's loggers
+    kept = (list(ours.handlers), ours.level, ours.propagate)
     vllm.default_settings.cache_clear()
     yield types.SimpleNamespace(calls=calls, platform=platform)
     vllm.default_settings.cache_clear()
+    ours.handlers[:], ours.level, ours.propagate = kept
 
 
 def test_the_plugin_does_nothing_without_zen_mla_url(monkeypatch, vllm_registry):
@@ -402,3 +416,16 @@ def test_the_plugin_refuses_settings_it_cannot_read(monkeypatch, vllm_registry):
     with pytest.raises(zen_mla.InvalidInputError, match="ZEN_MLA_URL"):
         vllm.register()
     assert vllm_registry.calls == []
+
+
+def test_a_503_is_computed_here(health_says):
+    settings = health_says({"status": "draining"})
+    b = backend(
+        RemoteSettings(urls=settings.urls, probe_interval_s=60.0, probe_max_interval_s=60.0)
+    )
+    b.prepare_metadata(_Meta())
+    q, k, v = _qkv()
+    before = vllm.stats.snapshot()
+    out = b.run_prefill_new_tokens(q, k, v, False)
+    assert torch.equal(out, zen_mla.ragged_attention(q, k, v, _Meta.query_start_loc, scale=0.25))
+    assert vllm.stats.snapshot().local - before.local == 1 and not b.link.up

@@ -4,8 +4,10 @@ the property the LSE exists for: new tokens (causal) merged with every context c
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,7 +16,9 @@ import torch
 import zen_mla
 from tests.prefill_steps import STEP_SPECS, make_step
 from tests.reference import assert_close_to_reference, attention_fp64
-from tests.service.servers import serve
+from tests.service.restart import kill, requests_answered, serve_on
+from tests.service.servers import free_port, serve
+from zen_mla import vllm
 from zen_mla.client import PrefillClient
 from zen_mla.merge import merge_attn_states
 from zen_mla.vllm import (
@@ -277,3 +281,75 @@ def test_the_token_is_sent(tmp_path):
         anonymous.prepare_metadata(Meta(i32(0, 3, 6)))
         with pytest.raises(zen_mla.UnauthorizedError, match="bearer token"):
             anonymous.run_prefill_new_tokens(q, k, v, False)
+
+
+def _wait_up(link, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not link.up:
+        assert time.monotonic() < deadline, "the link did not find the service again"
+        time.sleep(0.05)
+
+
+def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_again(
+    tmp_path, caplog
+):
+    """Down at start, up, killed mid-run, up again, at one URL: every call answers the fp64
+    reference, the service's own counter shows the calls that went to it, and each change is
+    one log line."""
+    port = free_port()
+    b = make_backend(f"http://127.0.0.1:{port}", heads=MLA)
+    b.settings = RemoteSettings(
+        urls=b.settings.urls, probe_interval_s=0.2, probe_max_interval_s=0.5
+    )
+    b = b.clone()  # the clone keeps these settings: the link probes every 0.2-0.5 s
+    b.prepare_metadata(Meta(i32(0, 5, 12)))
+    q, k = (torch.randn(12, 4, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(12, 4, 128, dtype=torch.bfloat16)
+    want_out, want_lse = attention_fp64(q, k, v, [0, 5, 12], [0, 5, 12], causal=True, scale=0.25)
+
+    def step(where):
+        before = vllm.stats.snapshot()
+        out, lse = b.run_prefill_new_tokens(q, k, v, True)
+        assert close_to_fp64(out, want_out) and close_to_fp64(lse, want_lse, atol=1e-3)
+        after = vllm.stats.snapshot()
+        assert (after.remote - before.remote, after.local - before.local) == (
+            (1, 0) if where == "service" else (0, 1)
+        )
+
+    log = tmp_path / "server.log"
+    with caplog.at_level(logging.INFO, logger="zen_mla.vllm"):
+        step("here")  # nothing listens yet
+        assert not b.link.up
+        with serve_on(port, log) as first:
+            _wait_up(b.link)
+            step("service")
+            assert requests_answered(first) == 1
+            kill(first)
+            step("here")
+            step("here")
+            assert not b.link.up
+        with serve_on(port, log) as second:
+            _wait_up(b.link)
+            step("service")
+            assert requests_answered(second) == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
+    down = [m for m in said if "gave no answer" in m]
+    back = [m for m in said if "is back after" in m]
+    assert len(down) == 2 and len(back) == 2, said
+    assert "1 calls were computed in this process" in back[0]
+    assert "2 calls were computed in this process" in back[1]
+
+
+def test_without_the_fallback_a_killed_service_is_an_error(tmp_path):
+    port = free_port()
+    with serve_on(port, tmp_path / "server.log") as s:
+        b = make_backend(s.url)
+        b = type(b)(
+            4, 0.25, 512, 16, 0, 16, None, settings=RemoteSettings(urls=(s.url,), fallback=False)
+        )
+        b.prepare_metadata(Meta(i32(0, 3, 6)))
+        q, k, v = (torch.randn(6, 4, 16, dtype=torch.bfloat16) for _ in range(3))
+        b.run_prefill_new_tokens(q, k, v, False)
+        kill(s)
+        with pytest.raises(zen_mla.ServiceUnavailableError):
+            b.run_prefill_new_tokens(q, k, v, False)

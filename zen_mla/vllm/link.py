@@ -5,11 +5,13 @@ the local computation while it is not.
     out, lse = link.prefill(q, k, v, q_cu, kv_cu, causal=False, return_lse=True, scale=s)
 
 While the service answers, every call goes to it. When a call cannot get an answer (the service
-is unreachable, answers 503 or 504, times out, or sends something that is not an answer), the
-link goes down: that call and every one after it is computed here with
+is unreachable, answers 503, 504 or 500, times out, or sends something that is not an answer),
+the link goes down: that call and every one after it is computed here with
 `zen_mla.ragged_attention` (same semantics, same LSE), and a thread probes `/health` after 1,
 2, 4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next call goes to the
 service again. One log line at each change, one per failed probe; `stats` counts the calls.
+A call the service refuses as sent (422 bad input, 401 bad token, 413 too large, ...) is no
+outage: it raises, as it would here. A 429 (queue full) is computed here, the link staying up.
 With `RemoteSettings.fallback` off, a failed call raises instead.
 """
 
@@ -24,7 +26,7 @@ from typing import ClassVar
 import httpx
 import torch
 
-from .._errors import QueueFullError, ZenMLAError
+from .._errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..client import PrefillClient
 from .context import PrefillResult, call
 from .settings import RemoteSettings, healthy
@@ -162,6 +164,8 @@ class ServiceLink:
         if client is not None:
             try:
                 out, lse = call(client, *args, causal=causal, return_lse=return_lse, scale=scale)
+            except (InvalidInputError, RequestRejectedError):
+                raise  # the service refused this call as sent (422, 401, 413, ...): no outage
             except QueueFullError:
                 pass  # busy, not down: this call here, the next one to the service again
             except _NO_ANSWER as exc:

@@ -37,6 +37,7 @@ def register() -> None:
         logger.debug("zen-mla: ZEN_MLA_URL is not set; vLLM's MLA prefill is left as it is")
         return
     settings = default_settings()
+    _log_with_vllm()
     registry = importlib.import_module(VLLM_REGISTRY)
     backends = registry.MLAPrefillBackendEnum
     if BACKEND_NAME in backends.__members__:
@@ -72,6 +73,26 @@ def register() -> None:
             "prefill calls no prefill backend: zen-mla is not used unless vLLM runs with "
             "--attention-backend CPU_MLA"
         )
+
+
+class _ToVllm(logging.Handler):
+    """Hands zen-mla's records to vLLM's logger tree, whose handlers vLLM sets up (and may set
+    up again) after plugins load: looked up at each record, not copied once."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm.zen_mla").handle(record)
+
+
+def _log_with_vllm() -> None:
+    """zen-mla's log lines (this one, outages, probes) where vLLM's go, at vLLM's level: vLLM
+    configures only its own logger tree ("vllm"), where a library logger's INFO lines would be
+    dropped and its warnings printed bare."""
+    ours = logging.getLogger("zen_mla")
+    if any(isinstance(h, _ToVllm) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllm())
+    ours.setLevel(logging.DEBUG)  # vLLM's handlers filter by their own level
+    ours.propagate = False
 
 
 def _amx() -> bool:
