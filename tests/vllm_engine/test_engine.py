@@ -1,0 +1,149 @@
+"""vLLM's engine with zen-mla installed and ZEN_MLA_URL set, nothing else: its MLA prefill goes
+to a real zen-mla server, agrees call by call with vLLM's own CPU backend on the same tensors,
+and survives the server going away."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+
+import zen_mla.vllm as zen_vllm
+from tests.service.restart import kill, requests_answered, serve_on
+from tests.vllm_engine.recording import record
+
+OUT_ATOL = 1e-4  # fp32 in and out; measured ~3e-6
+LSE_ATOL = 1e-4
+LAYERS = 2  # tiny_model.CONFIG: one prefill call per layer per step and piece
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+# one prompt per generate() and longer than a block (16): vLLM's own backend fails otherwise in
+# the connector pass (`assert seq_lens` in mla_attention.py)
+PROMPT = {"prompt_token_ids": list(range(2, 42))}
+
+
+def engine(model: Path, **kwargs: Any) -> LLM:
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=2,
+        gpu_memory_utilization=0.2,
+        seed=0,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def closing() -> Iterator[list[LLM]]:
+    engines: list[LLM] = []
+    yield engines
+    engines.clear()
+    gc.collect()
+
+
+def generate(llm: LLM) -> list[int]:
+    (result,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    tokens = list(result.outputs[0].token_ids)
+    assert len(tokens) == GREEDY.max_tokens
+    return tokens
+
+
+def report(name: str, worst: tuple[float, float], calls: int) -> None:
+    print(
+        f"\nzen-mla vs vLLM's CPU backend, {name}: {calls} calls, max |out| diff "
+        f"{worst[0]:.2e}, max |lse| diff {worst[1]:.2e}"
+    )
+
+
+def test_prefill_without_context_goes_to_the_service_and_agrees_with_vllm(
+    tiny_model, zen_mla_url, tmp_path, monkeypatch, closing
+):
+    with serve_on(int(zen_mla_url.rsplit(":", 1)[1]), tmp_path / "server.log") as server:
+        llm = engine(tiny_model)
+        closing.append(llm)
+        recording = record(monkeypatch)
+        generate(llm)
+        llm.generate([{"prompt_token_ids": list(range(7, 30))}], GREEDY, use_tqdm=False)
+        calls = recording.of("new_tokens")
+        assert len(calls) == 2 * LAYERS and recording.of("context_chunk") == []
+        assert requests_answered(server) == len(calls)  # none computed anywhere else
+    out_diff, _ = recording.worst()
+    report("prefill without context (fp32)", recording.worst(), len(calls))
+    assert out_diff <= OUT_ATOL
+
+
+def test_context_chunks_go_to_the_service_and_agree_with_vllm(
+    tiny_model, zen_mla_url, tmp_path, monkeypatch, closing
+):
+    """vLLM's ExampleConnector stores the prompt's KV on the first pass and loads all but the
+    last block on the second, whose prefill then runs over a context chunk."""
+    connector = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
+    )
+    with serve_on(int(zen_mla_url.rsplit(":", 1)[1]), tmp_path / "server.log") as server:
+        llm = engine(tiny_model, kv_transfer_config=connector)
+        closing.append(llm)
+        recording = record(monkeypatch)
+        generate(llm)  # stores
+        generate(llm)  # loads: new tokens with LSE, then one context chunk, per layer
+        chunks = recording.of("context_chunk")
+        assert len(chunks) == LAYERS, recording.calls
+        assert requests_answered(server) == len(recording.calls)
+    report("new tokens, no context", recording.worst("new_tokens"), len(recording.calls) - LAYERS)
+    report("context chunks", recording.worst("context_chunk"), len(chunks))
+    out_diff, lse_diff = recording.worst()
+    assert out_diff <= OUT_ATOL and lse_diff <= LSE_ATOL
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_server_killed_between_two_generates(tiny_model, zen_mla_url, tmp_path, closing):
+    """The second generate() answers from the local fallback; the link finds the restarted
+    service at the same URL and the next generate() goes there again."""
+    port = int(zen_mla_url.rsplit(":", 1)[1])
+    lines = _Lines()
+    logging.getLogger("zen_mla").addHandler(lines)
+    try:
+        with serve_on(port, tmp_path / "server.log") as server:
+            llm = engine(tiny_model)
+            closing.append(llm)
+            generate(llm)
+            assert requests_answered(server) == LAYERS
+            kill(server)
+        before = zen_vllm.stats.snapshot()
+        generate(llm)
+        after = zen_vllm.stats.snapshot()
+        assert (after.local - before.local, after.remote - before.remote) == (LAYERS, 0)
+        assert after.outages - before.outages == 1
+        with serve_on(port, tmp_path / "server.log") as again:
+            link = zen_vllm.ServiceLink.of(zen_vllm.default_settings())
+            deadline = time.monotonic() + 60
+            while not link.up:
+                assert time.monotonic() < deadline, lines.lines
+                time.sleep(0.1)
+            generate(llm)
+            assert requests_answered(again) == LAYERS
+    finally:
+        logging.getLogger("zen_mla").removeHandler(lines)
+    print("\n" + "\n".join(f"zen-mla log: {line}" for line in lines.lines))
+    print(f"zen-mla stats: {zen_vllm.stats.snapshot()}")
+    assert sum("gave no answer" in line for line in lines.lines) == 1
+    assert sum(f"{LAYERS} calls were computed in this process" in line for line in lines.lines) == 1
