@@ -18,7 +18,8 @@
     │       └── PoolClosedError             the worker pool is shut down                 503
     ├── DeadlineExceededError (TimeoutError) past the request deadline, work abandoned   504
     ├── KernelError (RuntimeError)          a kernel or worker failed on valid input     500
-    └── SharedMemoryUnavailableError        client side: no same-host regions to be had     -
+    ├── SharedMemoryUnavailableError        client side: no same-host regions to be had     -
+    └── ProtocolError                       client side: the answer broke the protocol      -
 
 `STATUS` maps each class to its status and `BY_STATUS` back; the service answers with the first
 and the client raises with the second, so an error arrives as the class it left as.
@@ -38,6 +39,7 @@ __all__ = [
     "LengthRequiredError",
     "OverloadedError",
     "PoolClosedError",
+    "ProtocolError",
     "QueueFullError",
     "RequestRejectedError",
     "RequestTimeoutError",
@@ -154,6 +156,11 @@ class KernelError(ZenMLAError, RuntimeError):
 class SharedMemoryUnavailableError(ZenMLAError):
     """A client asked for same-host regions (`shared_memory=True`) where the service offers
     none, or their socket cannot be reached from this host; the message says which."""
+
+
+class ProtocolError(ZenMLAError):
+    """The service's answer broke the protocol: names, shapes or dtypes other than the request
+    asks for, an unreadable body, or more bytes than the request can need. Never retried."""
 
 
 STATUS: dict[type[ZenMLAError], int] = {
