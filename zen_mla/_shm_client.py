@@ -10,10 +10,13 @@ it lies, without a copy; the region is unregistered once the tensor is gone.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import socket
+import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,15 +24,23 @@ from typing import Any
 
 import torch
 
-from ._errors import BY_STATUS, SharedMemoryUnavailableError, ZenMLAError
+from ._errors import (
+    BY_STATUS,
+    DeadlineExceededError,
+    InvalidInputError,
+    ProtocolError,
+    SharedMemoryUnavailableError,
+    ZenMLAError,
+)
 from ._memfd import create_sealed_memfd
-from ._region_wire import recv_frame, send_frame
+from ._region_wire import MAX_MESSAGE, send_frame
 from .region_request import TensorPlace
 from .wire import NAMES
 
 __all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet"]
 
 ALIGN = 64
+_LEN = struct.Struct(">I")  # a region socket frame's length, as _region_wire writes it
 MIN_SCRATCH = 16 << 20
 
 
@@ -38,10 +49,17 @@ def _aligned(n: int) -> int:
 
 
 class RegionClient:
-    """One connection to one service's region socket; one request at a time (a lock)."""
+    """One connection to one service's region socket; one request at a time (a lock).
+
+    `timeout` bounds each exchange as a whole (send, wait, read), whatever the other end does;
+    a reply is read up to `MAX_MESSAGE` bytes. A failed exchange closes the connection (its
+    regions end with it): timed out, DeadlineExceededError; a reply that is not a frame of a
+    JSON object, ProtocolError; the socket gone, SharedMemoryUnavailableError.
+    """
 
     def __init__(self, path: str, token: str | None, timeout: float = 10.0) -> None:
         self._lock = threading.Lock()
+        self._timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -53,15 +71,58 @@ class RegionClient:
 
     def _call(self, message: dict[str, Any], fd: int | None = None) -> dict[str, Any]:
         with self._lock:
-            send_frame(self._sock, message, fd)
-            reply = recv_frame(self._sock)
-        if not reply.get("ok"):
-            status = int(reply.get("status", 500))
-            raise BY_STATUS.get(status, ZenMLAError)(str(reply.get("error")))
+            try:
+                deadline = time.monotonic() + self._timeout
+                self._sock.settimeout(self._timeout)
+                send_frame(self._sock, message, fd)
+                reply = self._receive(deadline)
+            except TimeoutError as exc:
+                self._sock.close()
+                raise DeadlineExceededError(
+                    f"the region socket did not answer within {self._timeout} s"
+                ) from exc
+            except OSError as exc:
+                self._sock.close()
+                raise SharedMemoryUnavailableError(f"the region socket failed: {exc}") from exc
+            except ProtocolError:
+                self._sock.close()
+                raise
+        if reply.get("ok") is not True:
+            raise _refusal(reply)
         return reply
 
+    def _receive(self, deadline: float) -> dict[str, Any]:
+        """One reply, whole by `deadline`; a frame announced over MAX_MESSAGE is refused before
+        its bytes are read."""
+        (n,) = _LEN.unpack(self._exactly(_LEN.size, deadline))
+        if n > MAX_MESSAGE:
+            raise ProtocolError(f"the region socket announced a {n}-byte reply (<= {MAX_MESSAGE})")
+        try:
+            reply = json.loads(self._exactly(n, deadline))
+        except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError
+            raise ProtocolError(f"the region socket answered no JSON ({exc})"[:300]) from None
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"the region socket answered a JSON {type(reply).__name__}")
+        return reply
+
+    def _exactly(self, n: int, deadline: float) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            chunk = self._sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the region socket closed")
+            data += chunk
+        return bytes(data)
+
     def register(self, fd: int) -> str:
-        return str(self._call({"op": "register"}, fd)["region"])
+        handle = self._call({"op": "register"}, fd).get("region")
+        if not isinstance(handle, str) or not handle:
+            raise ProtocolError(f"the region socket registered a region as {handle!r:.40}")
+        return handle
 
     def unregister(self, handle: str) -> None:
         with contextlib.suppress(OSError, ZenMLAError):
@@ -69,6 +130,17 @@ class RegionClient:
 
     def close(self) -> None:
         self._sock.close()  # the service drops every region of this connection
+
+
+def _refusal(reply: dict[str, Any]) -> ZenMLAError:
+    """The error a `{"ok": false, "status", "error"}` reply stands for; a reply without a
+    known status is a ZenMLAError all the same."""
+    status = reply.get("status")
+    cls = BY_STATUS.get(status, ZenMLAError) if type(status) is int else ZenMLAError
+    error = str(reply.get("error"))[:500]
+    if issubclass(cls, InvalidInputError):
+        return cls("region socket request", "one the service accepts", error)
+    return cls(error)
 
 
 class ClientRegion:
