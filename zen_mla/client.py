@@ -7,6 +7,12 @@
 (CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
 zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
 
+`timeout` bounds a whole call (connect, send, wait, read, and the retries with their waits), not
+each read: past it, DeadlineExceededError. Every answer is checked against its request (`out`
+[Tq, H, Dv] in v's dtype, `lse` [H, Tq] float32 only when asked, no other names) and read only
+up to the bytes the request can need; an answer that breaks the protocol is a ProtocolError.
+Every failure is a ZenMLAError.
+
 Given several endpoints (`PrefillClient(["http://a:8000", "http://b:8000"])`), each request goes
 to the one with the least outstanding work (attention pairs in flight); an unreachable or
 overloaded endpoint is passed over for another.
@@ -22,12 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
+import json
+import math
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 import torch
 
@@ -37,6 +48,7 @@ from ._errors import (
     DeadlineExceededError,
     InvalidInputError,
     OverloadedError,
+    ProtocolError,
     ServiceUnavailableError,
     SharedMemoryUnavailableError,
     ZenMLAError,
@@ -53,6 +65,9 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.
 SEND_PART = 256 << 10
 MAX_RETRY_WAIT = 30.0
 DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
+MAX_PROBLEM_BYTES = 64 << 10  # of an error's body; the rest is not read
+MAX_HEALTH_BYTES = 1 << 20  # of /health's JSON
+REGION_TIMEOUT = 10.0  # seconds, at most, for one exchange on the region socket
 
 PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -76,38 +91,343 @@ def _headers(token: str | None, length: int) -> dict[str, str]:
     return headers
 
 
-def _error(status: int, body: bytes, headers: httpx.Headers) -> ZenMLAError:
-    """The exception the service raised, from its problem+json (one table: `_errors`)."""
-    try:
-        import json
+# -- one call, one deadline ----------------------------------------------------------------------
 
-        problem = json.loads(body)
-        assert isinstance(problem, dict)
-    except Exception:
-        problem = {"detail": body[:200].decode("utf-8", "replace")}
+
+def _budget(timeout: httpx.Timeout | float) -> float | None:
+    """A whole call's seconds: a number as it is; an httpx.Timeout's longest phase (None, no
+    bound, when a phase has none)."""
+    if isinstance(timeout, httpx.Timeout):
+        phases = (timeout.connect, timeout.read, timeout.write, timeout.pool)
+        return None if any(p is None for p in phases) else max(p for p in phases if p is not None)
+    return float(timeout)
+
+
+class _Deadline:
+    """When one call (connect, send, wait, read, and the retries with their waits) must end."""
+
+    def __init__(self, budget: float | None) -> None:
+        self.budget = budget
+        self._at = None if budget is None else time.monotonic() + budget
+
+    def remaining(self) -> float | None:
+        """Seconds left, <= 0 once past; None without a bound."""
+        return None if self._at is None else self._at - time.monotonic()
+
+    def check(self) -> None:
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise self.exceeded()
+
+    def exceeded(self) -> DeadlineExceededError:
+        return DeadlineExceededError(f"no answer within the call's timeout of {self.budget:g} s")
+
+
+# The calling thread's call (PrefillClient sets it for the call's length): its sockets' reads
+# and writes wait at most what the call has left.
+_CALL_DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar(
+    "zen_mla_call_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def _sync_call(deadline: _Deadline) -> Iterator[None]:
+    token = _CALL_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _CALL_DEADLINE.reset(token)
+
+
+@contextlib.asynccontextmanager
+async def _async_call(deadline: _Deadline) -> AsyncIterator[None]:
+    """The call's task is cancelled at the deadline, whatever it awaits."""
+    try:
+        async with asyncio.timeout(deadline.remaining()) as scope:
+            yield
+    except TimeoutError as exc:
+        if scope.expired() and not isinstance(exc, ZenMLAError):
+            raise deadline.exceeded() from exc
+        raise
+
+
+def _op_timeout(timeout: float | None, late: type[Exception]) -> float | None:
+    """A socket operation's timeout, cut to what the calling thread's call has left."""
+    deadline = _CALL_DEADLINE.get()
+    left = None if deadline is None else deadline.remaining()
+    if left is None:
+        return timeout
+    if left <= 0:
+        raise late("the call's timeout has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _op_timeout(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _op_timeout(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(
+            self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        )
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class _Transport(httpx.HTTPTransport):
+    """httpx's transport whose sockets wait at most what the calling thread's call has left.
+
+    httpx bounds each read, and an answer trickled a byte at a time (headers too, which httpcore
+    reads in its own loop) never trips that; the asyncio client cancels its call instead."""
+
+    def __init__(self, uds: str | None) -> None:
+        ssl_context = httpx.create_ssl_context()
+        super().__init__(verify=ssl_context, uds=uds)
+        # httpx takes no network backend: its pool is made again, as httpx makes it, with one
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=ssl_context,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            uds=uds,
+            network_backend=_DeadlineBackend(),
+        )
+
+
+# -- reading an answer ---------------------------------------------------------------------------
+
+
+def _content_length(headers: httpx.Headers) -> int | None:
+    values = set(headers.get_list("content-length"))
+    if not values:
+        return None
+    text = values.pop()
+    if values or not (text.isascii() and text.isdigit() and len(text) <= 20):
+        raise ProtocolError(f"Content-Length: expected a number of bytes, got {text!r:.40}")
+    return int(text)
+
+
+class _Body:
+    """An answer's bytes as they come, never more than `limit`: an answer announced or running
+    past it is a ProtocolError before the rest is read; with `cut`, the rest is left unread."""
+
+    def __init__(self, headers: httpx.Headers, limit: int, deadline: _Deadline, cut: bool) -> None:
+        self.length = _content_length(headers)
+        self._limit, self._deadline, self._cut, self._pos = limit, deadline, cut, 0
+        # False: nothing is to be read (a problem announced past its cap is not waited for)
+        self.wanted = self.length is None or self.length <= limit
+        if not self.wanted and not cut:
+            raise ProtocolError(
+                f"the service announced a {self.length}-byte answer; "
+                f"this request's is at most {limit} bytes"
+            )
+        # where the length is known, the answer lands in one buffer of that size (the decoded
+        # tensors are views of it)
+        self.buf = bytearray(self.length if self.length is not None and not cut else 0)
+
+    @classmethod
+    def of(cls, status: int, headers: httpx.Headers, limit: int, deadline: _Deadline) -> _Body:
+        """200: the answer, `limit` bytes at most; another status: its problem, cut short."""
+        if status == 200:
+            return cls(headers, limit, deadline, cut=False)
+        return cls(headers, MAX_PROBLEM_BYTES, deadline, cut=True)
+
+    def take(self, chunk: bytes) -> bool:
+        """Keep `chunk`; False once no more is to be read."""
+        self._deadline.check()
+        end = self._pos + len(chunk)
+        if end > self._limit:
+            if self._cut:
+                self.buf += chunk[: self._limit - self._pos]
+                return False
+            raise ProtocolError(
+                f"the service's answer runs past {self._limit} bytes, the most this request needs"
+            )
+        if self.length is not None and not self._cut:
+            if end > self.length:
+                raise ProtocolError(f"the answer runs past its Content-Length of {self.length}")
+            self.buf[self._pos : end] = chunk
+        else:
+            self.buf += chunk
+        self._pos = end
+        return True
+
+    def whole(self) -> bytearray:
+        if self.wanted and self.length is not None and not self._cut and self._pos != self.length:
+            raise ProtocolError(f"the answer ended after {self._pos} of its {self.length} bytes")
+        return self.buf
+
+
+def _json_object(body: bytes | bytearray) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _error(status: int, body: bytes | bytearray, headers: httpx.Headers) -> ZenMLAError:
+    """The exception the service raised, from its problem+json (one table: `_errors`), its fix
+    hint included; a body that is not a JSON object still gives the status's class."""
+    problem = _json_object(body)
+    if problem is None:
+        problem = {"detail": bytes(body[:200]).decode("utf-8", "replace") or f"HTTP {status}"}
     name = str(problem.get("type", "")).rpartition(":")[2]
     cls = getattr(_errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ZenMLAError)):
         cls = BY_STATUS.get(status, ZenMLAError)
-    detail = str(problem.get("detail", f"HTTP {status}"))
+    detail = str(problem.get("detail") or f"HTTP {status}")[:2000]
     if issubclass(cls, InvalidInputError):
+        hint = problem.get("hint")
         return cls(
             str(problem.get("tensor") or "body"),
             str(problem.get("expected") or "a valid request"),
             str(problem.get("got") or detail),
+            hint if isinstance(hint, str) else "",
         )
     if issubclass(cls, OverloadedError):
         retry = headers.get("retry-after")
-        return cls(detail, float(retry) if retry and retry.isdigit() else None)
+        ok = retry is not None and retry.isascii() and retry.isdigit()
+        return cls(detail, float(retry) if ok and retry else None)
     return cls(detail)
 
 
-def _decode(buf: bytearray, device: torch.device, return_lse: bool) -> PrefillResult:
-    tensors, _meta = wire.decode(torch.frombuffer(buf, dtype=torch.uint8), wire.RESPONSE_TENSORS)
+@dataclass(frozen=True, slots=True)
+class _Outputs:
+    """What the answer to a request must hold, by name: (shape, dtype as safetensors names it).
+    `out` [Tq, H, Dv] in v's dtype; `lse` [H, Tq] float32, only when asked."""
+
+    want: dict[str, tuple[tuple[int, ...], str]]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], return_lse: bool) -> _Outputs:
+        q, v = tensors["q"], tensors["v"]
+        tq, heads = int(q.shape[0]), int(q.shape[1])
+        want: dict[str, tuple[tuple[int, ...], str]] = {
+            "out": ((tq, heads, int(v.shape[2])), wire.NAMES[v.dtype])
+        }
+        if return_lse:
+            want["lse"] = ((heads, tq), "F32")
+        return cls(want)
+
+    @property
+    def return_lse(self) -> bool:
+        return "lse" in self.want
+
+    @property
+    def max_answer(self) -> int:
+        """The most bytes a safetensors answer can take: the header cap and the tensors."""
+        data = sum(math.prod(s) * wire.DTYPES[d].itemsize for s, d in self.want.values())
+        return 8 + wire.MAX_HEADER_BYTES + data
+
+    def check(self, got: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+        if set(got) != set(self.want):
+            raise ProtocolError(
+                f"answer: expected tensors {sorted(self.want)}, got {sorted(got)[:5]}"
+            )
+        for name, (shape, dtype) in self.want.items():
+            if got[name] != (shape, dtype):
+                raise ProtocolError(
+                    f"{name}: expected {dtype} {list(shape)}, got {got[name][1]} "
+                    f"{list(got[name][0])}"
+                )
+
+
+def _decoded(
+    status: int,
+    body: bytearray,
+    headers: httpx.Headers,
+    outputs: _Outputs,
+    device: torch.device,
+) -> PrefillResult:
+    """The results in a /prefill answer, checked against the request, on the caller's device."""
+    if status != 200:
+        raise _error(status, body, headers)
+    try:
+        # ValueError: torch.frombuffer of no bytes, and the decoder's errors (a ValueError each)
+        raw = torch.frombuffer(body, dtype=torch.uint8)
+        tensors, _meta = wire.decode(raw, wire.RESPONSE_TENSORS)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"the answer is not a readable safetensors file: {exc}") from exc
+    outputs.check({n: (tuple(t.shape), wire.NAMES[t.dtype]) for n, t in tensors.items()})
     out = tensors["out"].to(device)
-    if return_lse:
+    if outputs.return_lse:
         return out, tensors["lse"].to(device)
     return out
+
+
+def _answered(
+    status: int,
+    body: bytearray,
+    headers: httpx.Headers,
+    layout: Layout,
+    outputs: _Outputs,
+    device: torch.device,
+) -> PrefillResult:
+    """The results a region request's answer points at, checked against the request and copied
+    out of the scratch region (which the next request reuses), on the caller's device."""
+    if status != 200:
+        raise _error(status, body, headers)
+    try:
+        answer = region_request.decode(bytes(body), wire.RESPONSE_TENSORS)
+    except ZenMLAError as exc:
+        raise ProtocolError(f"the answer is not a readable region answer: {exc}") from exc
+    outputs.check({n: (p.shape, p.dtype) for n, p in answer.places.items()})
+    for name, place in answer.places.items():
+        if place != layout.places[name]:
+            raise ProtocolError(f"{name}: expected written at {layout.places[name]}, got {place}")
+    out = layout.out.to(device, copy=True)
+    if layout.lse is None:
+        return out
+    return out, layout.lse.to(device, copy=True)
+
+
+def _health(status: int, body: bytearray) -> dict[str, Any]:
+    health = _json_object(body)
+    if health is None:
+        raise ProtocolError(
+            f"/health: expected a JSON object, got HTTP {status} with {bytes(body[:80])!r}"
+        )
+    return health
 
 
 def _retry_wait(exc: OverloadedError, attempt: int) -> float:
@@ -124,16 +444,21 @@ def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causa
     return int(q.shape[1]) * pairs if q.ndim == 3 else pairs
 
 
-def _regions_of(health: dict[str, Any], token: str | None, required: bool) -> RegionSet | None:
-    """The same-host regions of the service whose /health this is, or None where they cannot
-    be had (SharedMemoryUnavailableError instead when `required`). The region socket must
+def _regions_of(
+    status: int, body: bytearray, token: str | None, required: bool, timeout: float
+) -> RegionSet | None:
+    """The same-host regions of the service whose /health answer this is, or None where they
+    cannot be had (SharedMemoryUnavailableError instead when `required`). The region socket must
     answer with the instance /health names: a path that exists here may belong to another
     service than the one at this URL."""
-    offer = health.get("shared_memory")
     try:
+        try:
+            offer = _health(status, body).get("shared_memory")
+        except ProtocolError as exc:
+            raise SharedMemoryUnavailableError(f"no regions offered: {exc}") from exc
         if not isinstance(offer, dict) or not offer.get("socket"):
             raise SharedMemoryUnavailableError("the service offers no shared memory")
-        client = RegionClient(str(offer["socket"]), token)
+        client = RegionClient(str(offer["socket"]), token, timeout)
         if client.hello.get("instance") != offer.get("instance"):
             client.close()
             raise SharedMemoryUnavailableError(
@@ -168,23 +493,9 @@ def _tensors(
             raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
         if name in ("q", "k", "v") and t.ndim != 3:
             raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
+        if t.dtype not in wire.NAMES:
+            raise InvalidInputError(name, f"a dtype among {', '.join(wire.DTYPES)}", str(t.dtype))
     return tensors
-
-
-def _answered(
-    status: int, body: bytes, headers: httpx.Headers, layout: Layout, device: torch.device
-) -> PrefillResult:
-    """The results a region request's answer points at, copied out of the scratch region (which
-    the next request reuses), on the caller's device."""
-    if status != 200:
-        raise _error(status, body, headers)
-    answer = region_request.decode(body, wire.RESPONSE_TENSORS)
-    if answer.places.get("out") != layout.places["out"]:
-        raise _errors.KernelError("the service answered with another place for out")
-    out = layout.out.to(device, copy=True)
-    if layout.lse is None:
-        return out
-    return out, layout.lse.to(device, copy=True)
 
 
 class _Balancer:
@@ -225,35 +536,59 @@ def _urls(url: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def _next_step(
-    exc: Exception, i: int, tried: set[int], n: int, attempt: int, retries: int, bal: _Balancer
-) -> float:
-    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise.
-
-    The one place transport errors become zen_mla exceptions."""
-    tried.add(i)
+def _transport_error(exc: httpx.TransportError, deadline: _Deadline, i: int) -> ZenMLAError:
+    """The one place transport errors become zen_mla exceptions."""
     if isinstance(exc, httpx.TimeoutException):
-        raise DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}") from exc
+        left = deadline.remaining()
+        if left is not None and left <= 0:
+            return deadline.exceeded()
+        return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
+    return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
+
+
+def _next_step(
+    exc: Exception,
+    i: int,
+    tried: set[int],
+    n: int,
+    attempt: int,
+    retries: int,
+    bal: _Balancer,
+    deadline: _Deadline,
+) -> float:
+    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
+    wait that would end past the call's deadline is not waited: the error is raised now."""
+    tried.add(i)
     if isinstance(exc, httpx.TransportError):
+        error = _transport_error(exc, deadline, i)
+        if isinstance(error, DeadlineExceededError):
+            raise error from exc
         bal.down(i)
         if attempt >= retries or len(tried) >= n:
-            raise ServiceUnavailableError(f"endpoint {i} unreachable: {exc}") from exc
+            raise error from exc
         return 0.0
-    assert isinstance(exc, OverloadedError)
-    if attempt >= retries:
+    if not isinstance(exc, OverloadedError) or attempt >= retries:
         raise exc
     if len(tried) < n:
         return 0.0  # another endpoint may have room now
     tried.clear()
-    return _retry_wait(exc, attempt)
+    wait = _retry_wait(exc, attempt)
+    left = deadline.remaining()
+    if left is not None and wait >= left:
+        exc.add_note(f"not retried: the wait of {wait:g} s ends past the call's timeout")
+        raise exc
+    return wait
 
 
 class PrefillClient:
     """Blocking client; keep-alive connections, reused across calls and threads.
 
     `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
-    the host part is only a name. `token`: bearer token when the service has one. `retries`:
-    how often 429/503 and unreachable endpoints are retried.
+    the host part is only a name. `token`: bearer token when the service has one. `timeout`:
+    seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
+    for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried.
+    With a `transport` of your own, its sockets' reads wait as long as it lets them; the call's
+    deadline is checked between them.
     """
 
     def __init__(
@@ -267,12 +602,14 @@ class PrefillClient:
         transport: httpx.BaseTransport | None = None,
         shared_memory: bool | None = None,
     ) -> None:
-        if transport is None and uds is not None:
-            transport = httpx.HTTPTransport(uds=uds)
         urls = _urls(url)
-        self._http = [httpx.Client(base_url=u, timeout=timeout, transport=transport) for u in urls]
+        self._http = [
+            httpx.Client(base_url=u, timeout=timeout, transport=transport or _Transport(uds))
+            for u in urls
+        ]
         self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
+        self._budget = _budget(timeout)
         self._shared_memory = shared_memory
         # per endpoint: its regions, None where there are none, missing until first asked
         self._regions: dict[int, RegionSet | None] = {}
@@ -280,12 +617,22 @@ class PrefillClient:
 
     def regions(self, i: int = 0) -> RegionSet | None:
         """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        deadline = _Deadline(self._budget)
+        with _sync_call(deadline):
+            try:
+                return self._regions_for(i, deadline)
+            except httpx.TransportError as exc:
+                raise _transport_error(exc, deadline, i) from exc
+
+    def _regions_for(self, i: int, deadline: _Deadline) -> RegionSet | None:
         if self._shared_memory is False:
             return None
         with self._regions_lock:
             if i not in self._regions:
-                health = self._http[i].get("/health").json()
-                self._regions[i] = _regions_of(health, self._token, bool(self._shared_memory))
+                status, _, body = self._send(i, "GET", "/health", MAX_HEALTH_BYTES, deadline)
+                timeout = min(REGION_TIMEOUT, self._budget or REGION_TIMEOUT)
+                required = bool(self._shared_memory)
+                self._regions[i] = _regions_of(status, body, self._token, required, timeout)
             return self._regions[i]
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -316,48 +663,66 @@ class PrefillClient:
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
         tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        outputs = _Outputs.of(tensors, return_lse)
         body: tuple[torch.device, list[bytes | memoryview], int] | None = None
         work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
-        for attempt in itertools.count():
-            i = self._balancer.pick(tried)
-            self._balancer.begin(i, work)
-            try:
-                regions = self.regions(i)
-                if regions is not None:
-                    return self._post_regions(i, regions, tensors, options, return_lse)
-                if body is None:
-                    body = _request(tensors, options)
-                return self._post(self._http[i], body[1], body[2], body[0], return_lse)
-            except (OverloadedError, httpx.TransportError) as exc:
-                wait = _next_step(
-                    exc, i, tried, len(self._http), attempt, self._retries, self._balancer
-                )
-            finally:
-                self._balancer.end(i, work)
-            time.sleep(wait)
+        deadline = _Deadline(self._budget)
+        with _sync_call(deadline):
+            for attempt in itertools.count():
+                deadline.check()
+                i = self._balancer.pick(tried)
+                self._balancer.begin(i, work)
+                try:
+                    regions = self._regions_for(i, deadline)
+                    if regions is not None:
+                        return self._post_regions(i, regions, tensors, options, outputs, deadline)
+                    if body is None:
+                        body = _request(tensors, options)
+                    return self._post(i, body, outputs, deadline)
+                except (OverloadedError, httpx.TransportError) as exc:
+                    wait = _next_step(
+                        exc, i, tried, len(self._http), attempt, self._retries, self._balancer,
+                        deadline,
+                    )  # fmt: skip
+                finally:
+                    self._balancer.end(i, work)
+                time.sleep(wait)
         raise AssertionError("unreachable")
+
+    def _send(
+        self,
+        i: int,
+        method: str,
+        path: str,
+        limit: int,
+        deadline: _Deadline,
+        content: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, httpx.Headers, bytearray]:
+        """Status, headers and body of one exchange with endpoint i; a 200's body is read up to
+        `limit` bytes (`_Body`)."""
+        with self._http[i].stream(method, path, content=content, headers=headers) as response:
+            body = _Body.of(response.status_code, response.headers, limit, deadline)
+            if body.wanted:
+                for chunk in response.iter_raw():
+                    if not body.take(chunk):
+                        break
+        return response.status_code, response.headers, body.whole()
 
     def _post(
         self,
-        http: httpx.Client,
-        parts: list[bytes | memoryview],
-        length: int,
-        device: torch.device,
-        return_lse: bool,
+        i: int,
+        request: tuple[torch.device, list[bytes | memoryview], int],
+        outputs: _Outputs,
+        deadline: _Deadline,
     ) -> PrefillResult:
+        device, parts, length = request
         # memoryviews go to the socket as they are (httpx's annotation says bytes)
-        content: Any = iter(parts)
-        with http.stream(
-            "POST", "/prefill", content=content, headers=_headers(self._token, length)
-        ) as response:
-            if response.status_code != 200:
-                raise _error(response.status_code, response.read(), response.headers)
-            buf = bytearray(int(response.headers["content-length"]))
-            pos = 0
-            for chunk in response.iter_raw():
-                buf[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-        return _decode(buf, device, return_lse)
+        status, headers, body = self._send(
+            i, "POST", "/prefill", outputs.max_answer, deadline, iter(parts),
+            _headers(self._token, length),
+        )  # fmt: skip
+        return _decoded(status, body, headers, outputs, device)
 
     def _post_regions(
         self,
@@ -365,17 +730,27 @@ class PrefillClient:
         regions: RegionSet,
         tensors: dict[str, torch.Tensor],
         options: dict[str, str],
-        return_lse: bool,
+        outputs: _Outputs,
+        deadline: _Deadline,
     ) -> PrefillResult:
-        with regions.request(tensors, return_lse) as layout:
-            body = region_request.encode(layout.places, options)
-            r = self._http[i].post("/prefill", content=body, headers=_region_headers(self._token))
-            return _answered(r.status_code, r.content, r.headers, layout, tensors["q"].device)
+        with regions.request(tensors, outputs.return_lse) as layout:
+            request = region_request.encode(layout.places, options)
+            status, headers, body = self._send(
+                i, "POST", "/prefill", wire.MAX_HEADER_BYTES, deadline, request,
+                _region_headers(self._token),
+            )  # fmt: skip
+            device = tensors["q"].device
+            return _answered(status, body, headers, layout, outputs, device)
 
     def health(self) -> dict[str, Any]:
         """The first endpoint's /health JSON (also when it answers 503)."""
-        result: dict[str, Any] = self._http[0].get("/health").json()
-        return result
+        deadline = _Deadline(self._budget)
+        with _sync_call(deadline):
+            try:
+                status, _, body = self._send(0, "GET", "/health", MAX_HEALTH_BYTES, deadline)
+            except httpx.TransportError as exc:
+                raise _transport_error(exc, deadline, 0) from exc
+        return _health(status, body)
 
     def close(self) -> None:
         for http in self._http:
@@ -392,7 +767,8 @@ class PrefillClient:
 
 
 class AsyncPrefillClient:
-    """asyncio client; the same arguments and behaviour as `PrefillClient`."""
+    """asyncio client; the same arguments and behaviour as `PrefillClient` (a call past its
+    timeout is cancelled, whatever transport it has)."""
 
     def __init__(
         self,
@@ -413,19 +789,29 @@ class AsyncPrefillClient:
         ]
         self._balancer = _Balancer(len(urls))
         self._token, self._retries = token, retries
+        self._budget = _budget(timeout)
         self._shared_memory = shared_memory
         self._regions: dict[int, RegionSet | None] = {}  # as PrefillClient's
         self._regions_lock = asyncio.Lock()
 
     async def regions(self, i: int = 0) -> RegionSet | None:
         """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        deadline = _Deadline(self._budget)
+        async with _async_call(deadline):
+            try:
+                return await self._regions_for(i, deadline)
+            except httpx.TransportError as exc:
+                raise _transport_error(exc, deadline, i) from exc
+
+    async def _regions_for(self, i: int, deadline: _Deadline) -> RegionSet | None:
         if self._shared_memory is False:
             return None
         async with self._regions_lock:
             if i not in self._regions:
-                health = (await self._http[i].get("/health")).json()
+                status, _, body = await self._send(i, "GET", "/health", MAX_HEALTH_BYTES, deadline)
+                timeout = min(REGION_TIMEOUT, self._budget or REGION_TIMEOUT)
                 self._regions[i] = await asyncio.to_thread(
-                    _regions_of, health, self._token, bool(self._shared_memory)
+                    _regions_of, status, body, self._token, bool(self._shared_memory), timeout
                 )
             return self._regions[i]
 
@@ -454,50 +840,71 @@ class AsyncPrefillClient:
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
         tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        outputs = _Outputs.of(tensors, return_lse)
         body: tuple[torch.device, list[bytes | memoryview], int] | None = None
         work, tried = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal), set[int]()
-        for attempt in itertools.count():
-            i = self._balancer.pick(tried)
-            self._balancer.begin(i, work)
-            try:
-                regions = await self.regions(i)
-                if regions is not None:
-                    return await self._post_regions(i, regions, tensors, options, return_lse)
-                if body is None:
-                    body = _request(tensors, options)
-                return await self._post(self._http[i], body[1], body[2], body[0], return_lse)
-            except (OverloadedError, httpx.TransportError) as exc:
-                wait = _next_step(
-                    exc, i, tried, len(self._http), attempt, self._retries, self._balancer
-                )
-            finally:
-                self._balancer.end(i, work)
-            await asyncio.sleep(wait)
+        deadline = _Deadline(self._budget)
+        async with _async_call(deadline):
+            for attempt in itertools.count():
+                deadline.check()
+                i = self._balancer.pick(tried)
+                self._balancer.begin(i, work)
+                try:
+                    regions = await self._regions_for(i, deadline)
+                    if regions is not None:
+                        return await self._post_regions(
+                            i, regions, tensors, options, outputs, deadline
+                        )
+                    if body is None:
+                        body = _request(tensors, options)
+                    return await self._post(i, body, outputs, deadline)
+                except (OverloadedError, httpx.TransportError) as exc:
+                    wait = _next_step(
+                        exc, i, tried, len(self._http), attempt, self._retries, self._balancer,
+                        deadline,
+                    )  # fmt: skip
+                finally:
+                    self._balancer.end(i, work)
+                await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+    async def _send(
+        self,
+        i: int,
+        method: str,
+        path: str,
+        limit: int,
+        deadline: _Deadline,
+        content: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, httpx.Headers, bytearray]:
+        """As `PrefillClient._send`."""
+        async with self._http[i].stream(method, path, content=content, headers=headers) as response:
+            body = _Body.of(response.status_code, response.headers, limit, deadline)
+            if body.wanted:
+                async for chunk in response.aiter_raw():
+                    if not body.take(chunk):
+                        break
+        return response.status_code, response.headers, body.whole()
 
     async def _post(
         self,
-        http: httpx.AsyncClient,
-        parts: list[bytes | memoryview],
-        length: int,
-        device: torch.device,
-        return_lse: bool,
+        i: int,
+        request: tuple[torch.device, list[bytes | memoryview], int],
+        outputs: _Outputs,
+        deadline: _Deadline,
     ) -> PrefillResult:
-        async def body() -> AsyncIterator[bytes]:
+        device, parts, length = request
+
+        async def content() -> AsyncIterator[bytes]:
             for part in parts:
                 yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
 
-        async with http.stream(
-            "POST", "/prefill", content=body(), headers=_headers(self._token, length)
-        ) as response:
-            if response.status_code != 200:
-                raise _error(response.status_code, await response.aread(), response.headers)
-            buf = bytearray(int(response.headers["content-length"]))
-            pos = 0
-            async for chunk in response.aiter_raw():
-                buf[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-        return _decode(buf, device, return_lse)
+        status, headers, body = await self._send(
+            i, "POST", "/prefill", outputs.max_answer, deadline, content(),
+            _headers(self._token, length),
+        )  # fmt: skip
+        return _decoded(status, body, headers, outputs, device)
 
     async def _post_regions(
         self,
@@ -505,24 +912,33 @@ class AsyncPrefillClient:
         regions: RegionSet,
         tensors: dict[str, torch.Tensor],
         options: dict[str, str],
-        return_lse: bool,
+        outputs: _Outputs,
+        deadline: _Deadline,
     ) -> PrefillResult:
         # the copies into the region and out of it run in a thread: the event loop stays free
         stack = contextlib.ExitStack()
-        layout = await asyncio.to_thread(stack.enter_context, regions.request(tensors, return_lse))
+        layout = await asyncio.to_thread(
+            stack.enter_context, regions.request(tensors, outputs.return_lse)
+        )
         with stack:
-            body = region_request.encode(layout.places, options)
-            r = await self._http[i].post(
-                "/prefill", content=body, headers=_region_headers(self._token)
-            )
+            request = region_request.encode(layout.places, options)
+            status, headers, body = await self._send(
+                i, "POST", "/prefill", wire.MAX_HEADER_BYTES, deadline, request,
+                _region_headers(self._token),
+            )  # fmt: skip
             device = tensors["q"].device
             return await asyncio.to_thread(
-                _answered, r.status_code, r.content, r.headers, layout, device
+                _answered, status, body, headers, layout, outputs, device
             )
 
     async def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = (await self._http[0].get("/health")).json()
-        return result
+        deadline = _Deadline(self._budget)
+        async with _async_call(deadline):
+            try:
+                status, _, body = await self._send(0, "GET", "/health", MAX_HEALTH_BYTES, deadline)
+            except httpx.TransportError as exc:
+                raise _transport_error(exc, deadline, 0) from exc
+        return _health(status, body)
 
     async def aclose(self) -> None:
         for http in self._http:
