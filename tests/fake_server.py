@@ -1,0 +1,213 @@
+"""Hostile servers written by hand, for the client's tests: a loopback HTTP/1.1 server whose
+answers are raw bytes a test writes to the socket (trickled, lying, chunked, wrong), and a
+region socket whose replies are raw frames."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+__all__ = [
+    "FakeRegionSocket",
+    "FakeServer",
+    "Request",
+    "chunked",
+    "frame",
+    "response",
+    "safetensors_body",
+    "trickle",
+]
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+
+
+def response(
+    status: int, body: bytes = b"", headers: dict[str, str] | None = None, length: bool = True
+) -> bytes:
+    """A whole HTTP/1.1 answer; `length=False` leaves Content-Length out (the body then ends
+    when the connection closes, unless `headers` say chunked)."""
+    lines = [f"HTTP/1.1 {status} X", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    if length:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
+    return b"".join(parts) + b"0\r\n\r\n"
+
+
+def safetensors_body(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save(tensors, {"kernel": "fake"})
+
+
+def trickle(conn: socket.socket, data: bytes, every: float, stop: threading.Event) -> None:
+    """One byte of `data` every `every` seconds, until sent, the peer goes or the server stops."""
+    for i in range(len(data)):
+        if stop.wait(every):
+            return
+        conn.sendall(data[i : i + 1])
+
+
+def _read_request(conn: socket.socket) -> Request:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the client went")
+        head += chunk
+    head, _, body = head.partition(b"\r\n\r\n")
+    first, *lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = first.split(" ", 2)
+    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("the client went")
+        body += chunk
+    return Request(method, path, headers, body)
+
+
+class FakeServer:
+    """Answers each request (one per connection) with `answer(request, conn, stop)`, which
+    writes whatever bytes it likes; `requests` lists what came."""
+
+    def __init__(self, answer: Callable[[Request, socket.socket, threading.Event], None]) -> None:
+        self._answer = answer
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.requests: list[Request] = []
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30)
+            request = _read_request(conn)
+            self.requests.append(request)
+            self._answer(request, conn, self.stop)
+            # let the client read to the end before the close (a close with unread data resets)
+            conn.shutdown(socket.SHUT_WR)
+            while not self.stop.is_set() and conn.recv(65536):
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self._listener.close()
+        self._thread.join(5)
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def frame(message: Any) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">I", len(data)) + data
+
+
+class FakeRegionSocket:
+    """A region socket on a Unix path: each message (descriptors taken and closed) is answered
+    by `reply(message, conn, stop)`, which writes whatever bytes it likes."""
+
+    def __init__(
+        self, reply: Callable[[dict[str, Any], socket.socket, threading.Event], None]
+    ) -> None:
+        self._reply = reply
+        self._dir = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self._dir.name, "regions.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen()
+        self._listener.settimeout(0.05)
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError, ValueError):
+            conn.settimeout(0.1)
+            buf = b""
+            while not self.stop.is_set():
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, 65536, 4)
+                except TimeoutError:
+                    continue
+                for fd in fds:
+                    os.close(fd)
+                if not data:
+                    return
+                buf += data
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                    n = struct.unpack(">I", buf[:4])[0]
+                    message, buf = json.loads(buf[4 : 4 + n]), buf[4 + n :]
+                    self._reply(message, conn, self.stop)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._listener.close()
+        self._thread.join(5)
+        self._dir.cleanup()
+
+    def __enter__(self) -> FakeRegionSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def elapsed() -> Iterator[list[float]]:
+    """`with elapsed() as t: ...`, then `t[0]` is the block's seconds."""
+    box: list[float] = []
+    start = time.monotonic()
+    try:
+        yield box
+    finally:
+        box.append(time.monotonic() - start)
