@@ -2,12 +2,21 @@
 
 It runs on the event loop, reading through `add_reader` without blocking, so it shares the
 `RegionRegistry` with the HTTP handlers without a lock. Closing a connection ends its regions.
+
+The door's rules hold here as on HTTP: a connection must say `hello` (with the token, where one
+is set) within `hello_timeout_s`, and holds no descriptor and at most one frame until then;
+connections still to say hello are capped apart (`max_unauthenticated`, the oldest evicted
+first), so only authenticated ones count toward `max_clients`. Every frame is capped at
+`MAX_MESSAGE` bytes and, once its first byte came, must be whole within `frame_timeout_s`; a
+connection holds at most one pending descriptor, and only a `register` frame may carry it. An
+idle authenticated connection stays open: it is the lifetime of its client's regions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import itertools
 import logging
@@ -18,29 +27,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import InvalidInputError, UnauthorizedError, ZenMLAError, status_of
-from ._region_wire import FrameReader, encode_frame
+from ._errors import (
+    InvalidInputError,
+    ServiceUnavailableError,
+    UnauthorizedError,
+    ZenMLAError,
+    status_of,
+)
+from ._region_wire import FrameError, FrameReader, encode_frame
 from .regions import Region, RegionRegistry
 
 __all__ = ["RegionServer"]
 
 log = logging.getLogger("zen_mla.regions")
-_MAX_FDS = 4  # descriptors read per message; more are closed unread
+# Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
+# (MSG_CTRUNC; the kernel closes what did not fit): either way, the connection ends.
+_CMSG_SPACE = socket.CMSG_SPACE(4)
+_ACCEPT_PAUSE_S = 0.1  # out of descriptors: wait before accepting again, not spin on it
 
 
-@dataclass
+@dataclass(eq=False)
 class _Client:
     id: int
     sock: socket.socket
     reader: FrameReader = field(default_factory=FrameReader)
-    fds: list[int] = field(default_factory=list)
+    fd: int | None = None  # the descriptor of the frame being read (register's memfd)
     greeted: bool = False
     regions: dict[str, Region] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None  # the hello deadline, then each frame's
 
 
 class RegionServer:
     """Listens on `path`; `token`, when set, must open every connection (`hello`), whose answer
-    names `instance`, as `/health` does."""
+    names `instance`, as `/health` does.
+
+    `max_clients` caps connections that said hello; `max_unauthenticated` those yet to, the
+    oldest evicted when one more comes; `hello_timeout_s` is how long a connection has to say
+    hello, `frame_timeout_s` how long a frame may take once its first byte came."""
 
     def __init__(
         self,
@@ -50,11 +73,17 @@ class RegionServer:
         token: str | None,
         max_clients: int,
         instance: str,
+        hello_timeout_s: float = 5.0,
+        frame_timeout_s: float = 5.0,
+        max_unauthenticated: int = 16,
     ) -> None:
         self.path, self.registry, self.token, self.max_clients = path, registry, token, max_clients
         self.instance = instance  # /health names it too: a client checks it reached this server
+        self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
+        self.max_unauthenticated = max_unauthenticated
         self._listener: socket.socket | None = None
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, _Client] = {}  # said hello
+        self._waiting: dict[int, _Client] = {}  # yet to, oldest first
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -97,14 +126,20 @@ class RegionServer:
         self._loop.remove_reader(self._listener.fileno())
         self._listener.close()
         self._listener = None
-        for client in list(self._clients.values()):
+        for client in [*self._waiting.values(), *self._clients.values()]:
             self._drop(client)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     @property
     def clients(self) -> int:
+        """Connections that said hello."""
         return len(self._clients)
+
+    @property
+    def waiting(self) -> int:
+        """Connections yet to say hello."""
+        return len(self._waiting)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._loop is not None
@@ -112,69 +147,107 @@ class RegionServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:  # out of descriptors: the client retries; we stay up
+        except OSError as exc:
             log.warning("region socket: accept failed: %s", exc)
-            return
-        if len(self._clients) >= self.max_clients:
-            with contextlib.suppress(OSError):
-                sock.send(encode_frame(_refusal(503, "too many region clients")))
-            sock.close()
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # the listener stays readable: pause rather than call back at once, forever
+                self._loop.remove_reader(self._listener.fileno())
+                self._loop.call_later(_ACCEPT_PAUSE_S, self._resume_accepting)
             return
         sock.setblocking(False)
-        client = _Client(next(self._ids), sock, greeted=self.token is None)
-        self._clients[client.id] = client
+        if len(self._waiting) >= self.max_unauthenticated:
+            oldest = next(iter(self._waiting.values()))
+            self._refuse(oldest, 503, "too many region connections yet to say hello")
+        client = _Client(next(self._ids), sock)
+        self._waiting[client.id] = client
+        client.timer = self._loop.call_later(
+            self.hello_timeout_s, self._expire, client, f"no hello within {self.hello_timeout_s} s"
+        )
         self._loop.add_reader(sock.fileno(), self._readable, client)
 
+    def _resume_accepting(self) -> None:
+        if self._listener is not None and self._loop is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
     def _readable(self, client: _Client) -> None:
+        """One read, never past the frame being read: a frame's bytes, and its descriptor."""
         try:
-            data, ancdata, flags, _ = client.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * _MAX_FDS))
+            data, ancdata, flags, _ = client.sock.recvmsg(client.reader.wanted(), _CMSG_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._drop(client)
             return
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                usable = len(payload) - len(payload) % 4
-                client.fds.extend(
-                    int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)
-                )
-        if not data or flags & socket.MSG_CTRUNC:
+        fds = _descriptors(ancdata)
+        if fds:
+            many = len(fds) > 1 or client.fd is not None
+            if client.fd is None:
+                client.fd = fds.pop(0)  # the connection's from here: _drop closes it
+            for fd in fds:
+                os.close(fd)
+            if not client.greeted or many or flags & socket.MSG_CTRUNC:
+                self._refuse(client, 400, "a descriptor before hello, or more than one a frame")
+                return
+        if flags & socket.MSG_CTRUNC:
+            self._refuse(client, 400, "more than one descriptor a frame")
+            return
+        if not data:
             self._drop(client)
             return
-        client.reader.feed(data)
+        if client.greeted and client.timer is None:  # a frame's first byte
+            assert self._loop is not None
+            client.timer = self._loop.call_later(
+                self.frame_timeout_s,
+                self._expire,
+                client,
+                f"a frame not whole within {self.frame_timeout_s} s",
+            )
         try:
-            while (message := client.reader.next()) is not None:
-                reply = self._handle(client, message)
-                client.sock.send(encode_frame(reply))  # small: fits the socket buffer
-                if not reply["ok"] and reply["status"] == 401:
-                    self._drop(client)
-                    return
-        except (ValueError, OSError) as exc:
-            log.info("region socket: client %d dropped: %s", client.id, exc)
-            self._drop(client)
+            message = client.reader.feed(data)
+        except FrameError as exc:
+            self._refuse(client, exc.status, str(exc))
+            return
+        if message is None:
+            return
+        if client.greeted:
+            self._stop_timer(client)
+        try:
+            reply = self._handle(client, message)
+        except Exception:  # a bug here must cost this connection only, never the loop's reader
+            log.exception("region socket: client %d", client.id)
+            self._refuse(client, 500, "the region socket failed on this message")
+            return
+        if not reply["ok"] and not client.greeted:  # no hello, a bad token, or no room
+            self._refuse(client, reply["status"], reply["error"])
+        else:
+            self._send(client, reply)
 
     def _handle(self, client: _Client, message: dict[str, Any]) -> dict[str, Any]:
-        fds, client.fds = client.fds, []
+        fd, client.fd = client.fd, None
         try:
             op = message.get("op")
+            if fd is not None and op != "register":
+                raise InvalidInputError(
+                    "descriptor", "one only with register", f"one with {op!r:.40}"
+                )
             if op == "hello":
                 return self._hello(client, message)
             if not client.greeted:
-                raise UnauthorizedError("say hello with the bearer token first")
+                raise UnauthorizedError("say hello (with the bearer token, where one is set) first")
             if op == "register":
-                if len(fds) != 1:
-                    raise InvalidInputError("register", "exactly one descriptor", f"{len(fds)}")
-                region = self.registry.register(fds.pop(), client.regions)
+                if fd is None:
+                    raise InvalidInputError("register", "one descriptor with it", "none")
+                taken, fd = fd, None
+                region = self.registry.register(taken, client.regions)  # closes `taken`
                 return {"ok": True, "region": region.handle, "nbytes": region.nbytes}
             if op == "unregister":
                 self.registry.unregister(str(message.get("region", "")), client.regions)
                 return {"ok": True}
-            raise InvalidInputError("op", "hello, register or unregister", repr(op)[:40])
+            raise InvalidInputError("op", "hello, register or unregister", f"{op!r:.40}")
         except ZenMLAError as exc:
             return _refusal(status_of(exc), str(exc))
         finally:
-            for fd in fds:
+            if fd is not None:
                 os.close(fd)
 
     def _hello(self, client: _Client, message: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +255,13 @@ class RegionServer:
             given = str(message.get("token", "")).encode()
             if not hmac.compare_digest(given, self.token.encode()):
                 raise UnauthorizedError("a valid bearer token is required")
-        client.greeted = True
+        if not client.greeted:
+            if len(self._clients) >= self.max_clients:
+                raise ServiceUnavailableError("too many region clients")
+            del self._waiting[client.id]
+            self._clients[client.id] = client
+            client.greeted = True
+            self._stop_timer(client)
         return {
             "ok": True,
             "max_regions": self.registry.max_regions,
@@ -190,17 +269,53 @@ class RegionServer:
             "instance": self.instance,
         }
 
+    def _expire(self, client: _Client, why: str) -> None:
+        client.timer = None
+        self._refuse(client, 408, why)
+
+    def _stop_timer(self, client: _Client) -> None:
+        if client.timer is not None:
+            client.timer.cancel()
+            client.timer = None
+
+    def _send(self, client: _Client, reply: dict[str, Any]) -> None:
+        """A reply fits an empty socket buffer; one that does not fit is a client that does not
+        read its replies, and ends its connection."""
+        data = encode_frame(reply)
+        with contextlib.suppress(OSError):
+            if client.sock.send(data) == len(data):
+                return
+        self._drop(client)
+
+    def _refuse(self, client: _Client, status: int, error: str) -> None:
+        """The refusal, where the socket takes it at once, then the connection closed."""
+        log.debug("region socket: client %d refused (%d): %s", client.id, status, error)
+        with contextlib.suppress(OSError):
+            client.sock.send(encode_frame(_refusal(status, error)))
+        self._drop(client)
+
     def _drop(self, client: _Client) -> None:
-        if self._clients.pop(client.id, None) is None:
+        if (self._clients.pop(client.id, None) or self._waiting.pop(client.id, None)) is None:
             return
+        self._stop_timer(client)
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(client.sock.fileno())
-        for fd in client.fds:
-            os.close(fd)
-        client.fds.clear()
+        if client.fd is not None:
+            os.close(client.fd)
+            client.fd = None
         self.registry.drop(client.regions)
         client.sock.close()
+
+
+def _descriptors(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried (at most two fit in _CMSG_SPACE)."""
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += [int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)]
+    return fds
 
 
 def _refusal(status: int, error: str) -> dict[str, Any]:

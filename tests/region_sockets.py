@@ -1,0 +1,74 @@
+"""A RegionServer on an event loop of its own in this process, and raw clients of its socket,
+for the region socket's tests (no service process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from zen_mla._region_wire import recv_frame
+from zen_mla.pool import SharedBuffer
+from zen_mla.region_server import RegionServer
+from zen_mla.regions import RegionRegistry
+
+T = TypeVar("T")
+
+
+class Running:
+    def __init__(self, server: RegionServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.loop = server, loop
+
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the server's loop (its state is that thread's)."""
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(5)
+
+    def connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(self.server.path)
+        return s
+
+
+@contextlib.contextmanager
+def running(tmp: Path, token: str | None = None, **limits: Any) -> Iterator[Running]:
+    """A RegionServer at `tmp`/regions.sock with `limits` (RegionServer's keywords; max_clients
+    8 unless given), serving until the block ends."""
+    registry = RegionRegistry(max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt)
+    limits.setdefault("max_clients", 8)
+    server = RegionServer(str(tmp / "regions.sock"), registry, token=token, instance="x", **limits)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = Running(server, loop)
+    try:
+        run.on_loop(server.start)
+        yield run
+    finally:
+        run.on_loop(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def refused(s: socket.socket) -> tuple[int, float]:
+    """The refusal's status and how long it took to come, once the server closed `s` after
+    it."""
+    t0 = time.monotonic()
+    reply = recv_frame(s)
+    assert not reply["ok"], reply
+    try:
+        rest = s.recv(1)
+    except ConnectionResetError:  # closed with bytes of ours unread: a reset, on Unix sockets
+        rest = b""
+    assert rest == b"", "the connection stayed open after a refusal"
+    return int(reply["status"]), time.monotonic() - t0

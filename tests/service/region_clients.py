@@ -1,0 +1,164 @@
+"""Same-host region clients for the service tests: a request laid out in a region, a legitimate
+client's round (hello, register, prefill through regions) timed, and attacks run beside it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from tests.reference import assert_close_to_reference
+from tests.service.servers import Server
+from zen_mla import region_request as rr
+from zen_mla._shm_client import ClientRegion, RegionClient
+from zen_mla.wire import NAMES
+
+REGION_JSON = {"Content-Type": rr.MEDIA_TYPE}
+
+
+def region_socket(server: Server) -> str:
+    offer = server.health()["shared_memory"]
+    assert offer and os.path.exists(offer["socket"]), offer
+    assert (os.stat(offer["socket"]).st_mode & 0o777) == 0o600
+    return str(offer["socket"])
+
+
+class SharedMemfd:
+    """A memfd of this process's, mapped here, registered by hand (`handle`) on any connection;
+    tensors and places in it as a ClientRegion's."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.handle = ""
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        return self.bytes[offset : offset + n].view(dtype).view(*shape)
+
+    def place(self, offset: int, t: torch.Tensor) -> rr.TensorPlace:
+        return rr.TensorPlace(self.handle, offset, NAMES[t.dtype], tuple(t.shape))
+
+
+def lay_out(region: ClientRegion | SharedMemfd, tokens: int, lse: bool):
+    """q, k, v, cu and out (and lse) laid out one after another in `region`, filled: their
+    places, and (q, k, v, cu, out) as tensors."""
+    h, dqk, dv = 2, 64, 32
+    q = region.tensor(0, (tokens, h, dqk), torch.float32)
+    k = region.tensor(q.nbytes, (tokens, h, dqk), torch.float32)
+    v = region.tensor(2 * q.nbytes, (tokens, h, dv), torch.float32)
+    off = 2 * q.nbytes + v.nbytes
+    cu = region.tensor(off, (2,), torch.int64)
+    out = region.tensor(off + 64, (tokens, h, dv), torch.float32)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape))
+    cu.copy_(torch.tensor([0, tokens]))
+    places = {
+        "q": region.place(0, q),
+        "k": region.place(q.nbytes, k),
+        "v": region.place(2 * q.nbytes, v),
+        "q_cu_seq_lens": region.place(off, cu),
+        "out": region.place(off + 64, out),
+    }
+    if lse:
+        lse_t = region.tensor(off + 64 + out.nbytes, (h, tokens), torch.float32)
+        places["lse"] = region.place(off + 64 + out.nbytes, lse_t)
+    return places, (q, k, v, cu, out)
+
+
+def post_places(
+    server: Server, places: dict, meta: dict | None = None, token: str | None = None
+) -> httpx.Response:
+    headers = REGION_JSON | ({"Authorization": f"Bearer {token}"} if token else {})
+    with server.client() as c:
+        return c.post("/prefill", content=rr.encode(places, meta), headers=headers)
+
+
+def legit_round(server: Server, path: str, token: str | None) -> float:
+    """Seconds for a client with the token to say hello, register a region and have a prefill
+    through it answered correctly."""
+    t0 = time.monotonic()
+    client = RegionClient(path, token, timeout=15)
+    try:
+        places, (q, k, v, cu, out) = lay_out(ClientRegion(client, 1 << 20), 64, lse=False)
+        r = post_places(server, places, token=token)
+        assert r.status_code == 200, r.text
+        assert_close_to_reference(q, k, v, cu, None, True, out)
+    finally:
+        client.close()
+    return time.monotonic() - t0
+
+
+@dataclass
+class Latencies:
+    seconds: list[float]
+    peak_fds: int  # the server's open descriptors, at most, while the attack ran
+
+    def __str__(self) -> str:
+        s = sorted(self.seconds)
+        return (
+            f"{len(s)} rounds, median {statistics.median(s):.3f} s, "
+            f"p90 {s[int(0.9 * (len(s) - 1))]:.3f} s, max {s[-1]:.3f} s, "
+            f"server fds at most {self.peak_fds}"
+        )
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def during(
+    attack: Callable[[threading.Event], None],
+    server: Server,
+    path: str,
+    token: str,
+    seconds: float,
+    settle: float = 0.5,
+) -> Latencies:
+    """Legitimate rounds one after another for `seconds` while `attack(stop)` runs in a thread
+    (started `settle` seconds before the first round); each must come within 15 s, and most
+    within 1 s."""
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            attack(stop)
+        except BaseException as exc:  # reported in the test's thread
+            failure.append(exc)
+
+    peak = [open_fds(server.process.pid)]
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], open_fds(server.process.pid))
+
+    attacker = threading.Thread(target=run, daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
+    attacker.start()
+    watcher.start()
+    took: list[float] = []
+    try:
+        time.sleep(settle)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end or len(took) < 3:
+            took.append(legit_round(server, path, token))
+            assert took[-1] < 15, f"a legitimate round took {took[-1]:.1f} s"
+    finally:
+        stop.set()
+        attacker.join(30)
+        watcher.join(30)
+    assert not failure, failure
+    latencies = Latencies(took, peak[0])
+    if log := os.environ.get("ZEN_MLA_TEST_LATENCIES"):  # for the README's robustness table
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {latencies}\n")
+    assert statistics.median(took) < 1, latencies
+    return latencies

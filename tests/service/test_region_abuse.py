@@ -1,0 +1,139 @@
+"""Region-socket clients that misbehave (CONTRACT.md, "Abuse"), against a real server with a
+token: while each one runs, a client with the token registers a region and has a prefill
+through it answered correctly, most rounds within 1 s and every one within 15 s."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.service.region_clients import during, open_fds, region_socket
+from tests.service.servers import Server, serve
+from zen_mla._region_wire import recv_frame
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret"
+HELLO_TIMEOUT_S = 5.0  # RegionServer's default
+ATTACK_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # 4096 descriptors: an attack that hoards them runs the server out within the test's time
+    with serve(
+        tmp_path_factory.mktemp("region_abuse"), workers=1, api_token=TOKEN, nofile=(4096, 4096)
+    ) as s:
+        yield s
+
+
+def _connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    return s
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    """The server closed `s` (it may have sent a refusal first); never waits."""
+    s.setblocking(False)  # with a timeout, Python polls for it before recv, MSG_DONTWAIT or not
+    try:
+        while s.recv(1 << 16):
+            pass
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.settimeout(5)
+    return True
+
+
+def test_descriptors_sent_before_hello_are_not_hoarded(guarded):
+    """Defect 3: a frame's length, then 1 byte and 4 descriptors per sendmsg, never finishing
+    the frame: the server kept every descriptor (20,000) until the client left."""
+    path = region_socket(guarded)
+    memfd = os.memfd_create("hoard", os.MFD_CLOEXEC)
+    sends = [0]
+
+    def hoard(stop: threading.Event) -> None:
+        while sends[0] < 5000 and not stop.is_set():
+            with contextlib.suppress(OSError), _connect(path) as s:
+                s.sendall(struct.pack(">I", 60000))
+                while sends[0] < 5000 and not stop.is_set():
+                    socket.send_fds(s, [b"["], [memfd] * 4)
+                    sends[0] += 1
+                stop.wait()  # hold whatever the server kept until the test ends
+        stop.wait()
+
+    before = open_fds(guarded.process.pid)
+    try:
+        latencies = during(hoard, guarded, path, TOKEN, ATTACK_S)
+    finally:
+        os.close(memfd)
+    assert sends[0] > 100, sends
+    assert latencies.peak_fds < before + 100, (before, latencies)
+    assert guarded.health()["status"] == "ok"
+
+
+def test_silent_connections_do_not_lock_out_clients_with_the_token(guarded):
+    """Defect 6: 64 connections that never say hello took every region-client place."""
+    path = region_socket(guarded)
+    opened = [0]
+
+    def silent(stop: threading.Event) -> None:
+        held: list[socket.socket] = []
+        try:
+            while not stop.is_set() and opened[0] < 2000:
+                for s in [s for s in held if _closed_by_server(s)]:
+                    held.remove(s)
+                    s.close()
+                while len(held) < 64 and opened[0] < 2000:
+                    held.append(_connect(path))
+                    opened[0] += 1
+                stop.wait(0.05)
+        finally:
+            for s in held:
+                s.close()
+
+    during(silent, guarded, path, TOKEN, ATTACK_S)
+    assert opened[0] >= 64
+
+
+def test_connections_that_never_say_hello_are_closed_after_the_hello_deadline(guarded):
+    path = region_socket(guarded)
+    silent = [_connect(path) for _ in range(64)]
+    try:
+        end = time.monotonic() + HELLO_TIMEOUT_S + 5
+        while not all(_closed_by_server(s) for s in silent):
+            assert time.monotonic() < end, "a connection outlived the hello deadline"
+            time.sleep(0.1)
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_a_deeply_nested_frame_gets_an_error_and_is_closed(guarded):
+    """Defect 20: 60,000 nested `[` raised RecursionError in the event loop's callback: no reply,
+    and the connection stayed open (holding a client place)."""
+    path = region_socket(guarded)
+    frame = struct.pack(">I", 60000) + b"[" * 60000
+    answered = [0]
+
+    def nest(stop: threading.Event) -> None:
+        while not stop.is_set() and answered[0] < 500:
+            with _connect(path) as s:
+                s.sendall(frame)
+                reply = recv_frame(s)
+                assert not reply["ok"] and reply["status"] == 400, reply
+                assert s.recv(1) == b""
+            answered[0] += 1
+
+    during(nest, guarded, path, TOKEN, ATTACK_S)
+    assert answered[0] > 0
