@@ -13,7 +13,7 @@ from zen_mla import InvalidInputError, region_request
 from zen_mla.engine import PrefillEngine, PrefillRequest
 from zen_mla.kernels import KernelChoice
 from zen_mla.pool import Outputs, SharedBuffer
-from zen_mla.regions import RegionRegistry, check_disjoint
+from zen_mla.regions import RegionRegistry
 from zen_mla.wire import NAMES, REQUEST_TENSORS, PrefillOptions, parse_options
 
 from .exchange import prepare
@@ -70,7 +70,7 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
                 f"{place.dtype} {list(place.shape)}",
             )
         views[name] = registry.tensor(name, place, (NAMES[dtype],))
-    check_disjoint(places, tuple(wanted))
+    registry.check_disjoint(places, tuple(wanted))
     out_region = registry.resolve(places["out"].region)
     if "lse" in places and places["lse"].region != places["out"].region:
         raise InvalidInputError("lse", "a place in out's region", "another region")

@@ -1,20 +1,38 @@
-"""The region registry's limits and checks, and the region socket's folder rules, with real
-memfds (no server)."""
+"""The region registry's limits and checks, the region socket's frames, and its door rules
+(hello and frame deadlines, caps, descriptors), with real memfds and a RegionServer on a loop
+in this process (no service)."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import os
+import socket
+import struct
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from tests.region_sockets import refused, running
 from zen_mla import InvalidInputError
 from zen_mla._memfd import create_sealed_memfd
+from zen_mla._region_wire import (
+    MAX_FIELDS,
+    FrameError,
+    FrameReader,
+    encode_frame,
+    recv_frame,
+    send_frame,
+)
 from zen_mla.pool import SharedBuffer
 from zen_mla.region_request import TensorPlace
 from zen_mla.region_server import RegionServer
-from zen_mla.regions import RegionRegistry, check_disjoint
+from zen_mla.regions import RegionRegistry
 
 
 def test_per_client_limits_and_handles():
@@ -50,13 +68,216 @@ def test_places_are_checked_against_their_region():
     with pytest.raises(InvalidInputError, match="one of I32, I64"):
         registry.tensor("q_cu_seq_lens", TensorPlace(h, 0, "F32", (2,)), ("I32", "I64"))
     with pytest.raises(InvalidInputError, match="overlapping"):
-        check_disjoint(
+        registry.check_disjoint(
             {"q": TensorPlace(h, 0, "F32", (8,)), "out": TensorPlace(h, 28, "F32", (8,))},
             ("out",),
         )
-    check_disjoint(
+    registry.check_disjoint(
         {"q": TensorPlace(h, 0, "F32", (8,)), "out": TensorPlace(h, 32, "F32", (8,))}, ("out",)
     )
+
+
+def test_two_handles_of_one_memfd_are_one_memory_for_overlaps():
+    registry = RegionRegistry(max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt)
+    fd = create_sealed_memfd(4096)
+    try:
+        a = registry.register(os.dup(fd), {})
+        b = registry.register(os.dup(fd), {})  # another client's
+    finally:
+        os.close(fd)
+    c = registry.register(create_sealed_memfd(4096), {})
+    assert a.memory == b.memory != c.memory
+    q = TensorPlace(a.handle, 0, "F32", (8,))
+    with pytest.raises(InvalidInputError, match=r"out: .*q: \[0, 32\), same memfd"):
+        registry.check_disjoint({"q": q, "out": TensorPlace(b.handle, 16, "F32", (8,))}, ("out",))
+    registry.check_disjoint({"q": q, "out": TensorPlace(c.handle, 0, "F32", (8,))}, ("out",))
+
+
+def _sealed(seals: int, nbytes: int = 4096, flags: int = 0) -> int:
+    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
+    os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _read_only() -> int:
+    fd = create_sealed_memfd(4096)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
+def _hugetlb() -> int:
+    if Path("/proc/sys/vm/nr_hugepages").read_text().strip() != "0":
+        pytest.skip("this machine has huge pages: a hugetlb memfd maps")
+    return _sealed(fcntl.F_SEAL_SHRINK, 2 << 20, os.MFD_HUGETLB)
+
+
+UNMAPPABLE = {
+    "zero_bytes": (lambda: create_sealed_memfd(0), "at least 1 byte"),
+    "sealed_against_writing": (
+        lambda: _sealed(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
+        "sealed against writing",
+    ),
+    "reopened_read_only": (_read_only, "read-write"),
+    "hugetlb_without_huge_pages": (_hugetlb, "huge pages"),
+}
+
+
+@pytest.mark.parametrize("case", UNMAPPABLE.values(), ids=UNMAPPABLE.keys())
+def test_a_memfd_that_cannot_be_mapped_is_invalid_input(case):
+    make, says = case
+    registry = RegionRegistry(max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt)
+    held: dict = {}
+    with pytest.raises(InvalidInputError, match=says):
+        registry.register(make(), held)
+    assert not held and len(registry) == 0
+
+
+# -- frames -------------------------------------------------------------------------------------
+
+BAD_FRAMES = {
+    "nested_60000": (b"[" * 60000, "nested too deep"),
+    "nested_objects": (b'{"a":' * 5000 + b"1" + b"}" * 5000, "nested too deep"),
+    "an_array": (b"[]", "JSON list"),
+    "a_string": (b'"hello"', "JSON str"),
+    "nested_value": (b'{"op": "hello", "token": ["x"]}', "nested values"),
+    "too_many_fields": (json.dumps({str(i): i for i in range(MAX_FIELDS + 1)}).encode(), "17"),
+    "not_utf8": (b"\xff\xfe", "not JSON"),
+    "digits_past_the_cap": (b'{"op": ' + b"9" * 5000 + b"}", "not JSON"),
+    "empty": (b"", "not JSON"),
+}
+
+
+def _frame(raw: bytes) -> bytes:
+    return struct.pack(">I", len(raw)) + raw
+
+
+@pytest.mark.parametrize("case", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
+def test_a_frame_that_is_not_a_flat_json_object_is_a_400(case):
+    raw, says = case
+    reader = FrameReader()
+    with pytest.raises(FrameError, match=says) as caught:
+        data = _frame(raw)
+        while data:
+            n = reader.wanted()
+            reader.feed(data[:n])
+            data = data[n:]
+    assert caught.value.status == 400
+
+
+def test_an_oversized_frame_is_refused_from_its_length():
+    reader = FrameReader()
+    with pytest.raises(FrameError, match="65537 bytes") as caught:
+        reader.feed(struct.pack(">I", (64 << 10) + 1))
+    assert caught.value.status == 413
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=50))
+
+
+@given(
+    st.lists(st.dictionaries(st.text(max_size=8), scalars, max_size=MAX_FIELDS), max_size=4),
+    st.lists(st.integers(1, 64), min_size=1),
+)
+def test_frames_come_out_whole_one_at_a_time_however_the_bytes_are_cut(messages, cuts):
+    stream = b"".join(encode_frame(m) for m in messages)
+    reader, got, i = FrameReader(), [], 0
+    while stream:
+        n = min(reader.wanted(), cuts[i % len(cuts)])  # a read never passes the frame's end
+        i += 1
+        message = reader.feed(stream[:n])
+        stream = stream[n:]
+        if message is not None:
+            got.append(message)
+    assert got == messages and not reader.started
+
+
+# -- the door: hello, deadlines, caps, descriptors -----------------------------------------------
+
+
+def test_connections_yet_to_say_hello_are_capped_oldest_out_and_timed(tmp_path):
+    with running(tmp_path, token="t", hello_timeout_s=0.5, max_unauthenticated=2) as r:
+        a, b, c = r.connect(), r.connect(), r.connect()
+        assert refused(a)[0] == 503  # evicted at once by c
+        for s in (b, c):
+            status, waited = refused(s)
+            assert status == 408 and waited < 2
+        assert r.on_loop(lambda: r.server.waiting) == 0
+        slow = r.connect()
+        slow.sendall(encode_frame({"op": "hello", "token": "t"})[:6])  # a hello half sent
+        assert refused(slow)[0] == 408
+        for s in (a, b, c, slow):
+            s.close()
+
+
+def test_only_connections_that_said_hello_count_toward_max_clients(tmp_path):
+    with running(tmp_path, token="t", max_clients=1) as r:
+        silent = [r.connect() for _ in range(3)]
+        first = r.connect()
+        send_frame(first, {"op": "hello", "token": "t"})
+        assert recv_frame(first)["ok"]
+        second = r.connect()
+        send_frame(second, {"op": "hello", "token": "t"})
+        assert refused(second)[0] == 503
+        wrong = r.connect()
+        send_frame(wrong, {"op": "hello", "token": "nope"})
+        assert refused(wrong)[0] == 401
+        early = r.connect()
+        send_frame(early, {"op": "unregister", "region": "x"})  # hello first, also without one
+        assert refused(early)[0] == 401
+        assert r.on_loop(lambda: (r.server.clients, r.server.waiting)) == (1, 3)
+        for s in (*silent, first, second, wrong, early):
+            s.close()
+
+
+def test_a_half_sent_frame_is_closed_but_an_idle_client_stays(tmp_path):
+    with running(tmp_path, frame_timeout_s=0.3, hello_timeout_s=0.3) as r:
+        idle = r.connect()
+        send_frame(idle, {"op": "hello"})
+        assert recv_frame(idle)["ok"]
+        time.sleep(0.8)  # past both deadlines, between frames
+        send_frame(idle, {"op": "hello"})
+        assert recv_frame(idle)["ok"]
+        idle.sendall(encode_frame({"op": "unregister", "region": "x"})[:7])
+        status, waited = refused(idle)
+        assert status == 408 and waited < 2
+        idle.close()
+
+
+def test_descriptors_only_after_hello_one_a_frame_and_only_with_register(tmp_path):
+    memfd = create_sealed_memfd(4096)
+    with running(tmp_path) as r:
+        early = r.connect()
+        socket.send_fds(early, [encode_frame({"op": "hello"})], [memfd])
+        assert refused(early)[0] == 400
+        s = r.connect()
+        send_frame(s, {"op": "hello"})
+        assert recv_frame(s)["ok"]
+        socket.send_fds(s, [encode_frame({"op": "unregister", "region": "x"})], [memfd])
+        reply = recv_frame(s)
+        assert reply["status"] == 422 and "only with register" in reply["error"]
+        send_frame(s, {"op": "register"}, memfd)
+        assert recv_frame(s)["ok"]  # the connection stayed
+        socket.send_fds(s, [encode_frame({"op": "register"})], [memfd, memfd])
+        assert refused(s)[0] == 400
+        hoard = r.connect()
+        send_frame(hoard, {"op": "hello"})
+        assert recv_frame(hoard)["ok"]
+        hoard.sendall(struct.pack(">I", 1000))
+        socket.send_fds(hoard, [b"{"], [memfd])
+        socket.send_fds(hoard, [b" "], [memfd])  # a second before the frame is whole
+        assert refused(hoard)[0] == 400
+        many = r.connect()
+        send_frame(many, {"op": "hello"})
+        assert recv_frame(many)["ok"]
+        socket.send_fds(many, [encode_frame({"op": "register"})], [memfd] * 4)
+        assert refused(many)[0] == 400
+        assert r.on_loop(lambda: (r.server.clients, r.server.waiting)) == (0, 0)
+        for sock in (early, s, hoard, many):
+            sock.close()
+    os.close(memfd)
 
 
 def test_the_socket_folder_must_be_ours_and_closed_to_others(tmp_path):

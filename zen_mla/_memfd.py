@@ -28,9 +28,14 @@ def create_sealed_memfd(nbytes: int, name: str = "zen-mla-region") -> int:
     return fd
 
 
+# F_SEAL_FUTURE_WRITE (Linux 5.1) is not in Python's fcntl before 3.12
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
 def check_sealed_memfd(fd: int) -> int:
-    """The size of `fd` if it is a memfd sealed against shrinking, else InvalidInputError
-    naming what it is instead."""
+    """The size of `fd` if it is a memfd of at least one byte, open read-write, sealed against
+    shrinking and not against writing (the workers write outputs into it), else
+    InvalidInputError naming what it is instead."""
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -50,4 +55,21 @@ def check_sealed_memfd(fd: int) -> int:
             "a memfd that can shrink",
             "Create it with MFD_ALLOW_SEALING and add F_SEAL_SHRINK before handing it over",
         )
-    return os.fstat(fd).st_size
+    if seals & _WRITE_SEALS:
+        raise InvalidInputError(
+            "region",
+            "a memfd the service may write (outputs land in it)",
+            "a memfd sealed against writing",
+            "Seal it with F_SEAL_SHRINK only",
+        )
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise InvalidInputError(
+            "region",
+            "a descriptor open read-write",
+            "one open read-only or write-only",
+            "Hand over the descriptor memfd_create returned, not one reopened",
+        )
+    nbytes = os.fstat(fd).st_size
+    if nbytes == 0:
+        raise InvalidInputError("region", "a memfd of at least 1 byte", "0 bytes")
+    return nbytes

@@ -12,6 +12,7 @@ run there): it takes no lock.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Callable, Mapping
@@ -19,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, ServiceUnavailableError
 from ._memfd import check_sealed_memfd
 from .pool import SharedBuffer
 from .region_request import TensorPlace
 from .wire import DTYPES
 
-__all__ = ["Region", "RegionRegistry", "check_disjoint"]
+__all__ = ["Region", "RegionRegistry"]
 
 
 @dataclass(eq=False)
@@ -34,7 +35,7 @@ class Region:
 
     handle: str
     nbytes: int
-    inode: int
+    memory: tuple[int, int]  # (st_dev, st_ino): two handles of one memfd are one memory
     buffer: SharedBuffer
 
 
@@ -61,7 +62,8 @@ class RegionRegistry:
         region of the client whose regions are `held`."""
         try:
             nbytes = check_sealed_memfd(fd)
-            inode = os.fstat(fd).st_ino
+            st = os.fstat(fd)
+            memory = (st.st_dev, st.st_ino)
             if len(held) >= self.max_regions:
                 raise InvalidInputError(
                     "region", f"at most {self.max_regions} regions per client", f"{len(held) + 1}"
@@ -74,17 +76,30 @@ class RegionRegistry:
                     f"{total} bytes",
                     "Unregister regions you no longer use",
                 )
-            if any(r.inode == inode for r in held.values()):
+            if any(r.memory == memory for r in held.values()):
                 raise InvalidInputError(
                     "region", "each memfd registered once", "a memfd that is registered already"
                 )
-            buffer = self._adopt(os.dup(fd), nbytes)
+            buffer = self._map(fd, nbytes)
         finally:
             os.close(fd)
-        region = Region(secrets.token_urlsafe(18), nbytes, inode, buffer)
+        region = Region(secrets.token_urlsafe(18), nbytes, memory, buffer)
         self._regions[region.handle] = region
         held[region.handle] = region
         return region
+
+    def _map(self, fd: int, nbytes: int) -> SharedBuffer:
+        try:
+            own = os.dup(fd)
+        except OSError as exc:  # out of descriptors here: the client may try again later
+            raise ServiceUnavailableError(f"region: cannot take a descriptor now ({exc})") from exc
+        try:
+            return self._adopt(own, nbytes)  # closes `own` when it fails
+        except OSError as exc:
+            hint = " (a hugetlb memfd needs free huge pages)" if exc.errno == errno.ENOMEM else ""
+            raise InvalidInputError(
+                "region", "a memfd this service can map shared, read-write", f"{exc}{hint}"
+            ) from exc
 
     def unregister(self, handle: str, held: dict[str, Region]) -> None:
         if held.pop(handle, None) is None:
@@ -124,21 +139,29 @@ class RegionRegistry:
             )
         return region.buffer.tensor(place.offset, place.shape, dtype)
 
+    def check_disjoint(self, places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
+        """The tensors named `outputs` overlap neither each other nor any other tensor in
+        `places` (a worker writing them must not change what another worker reads); regions
+        are compared by the memory they are, so one memfd behind two handles is one region.
+        `places` holds at most the request's few tensor names."""
+        spans = {
+            n: (self.resolve(p.region).memory, p.offset, p.offset + p.nbytes)
+            for n, p in places.items()
+            if p.nbytes
+        }
+        for name in outputs:
+            if name not in spans:
+                continue
+            memory, a, b = spans[name]
+            for other, (memory2, c, d) in spans.items():
+                if other != name and memory == memory2 and a < d and c < b:
+                    same = "" if places[other].region == places[name].region else ", same memfd"
+                    raise InvalidInputError(
+                        name,
+                        f"bytes overlapping no other tensor ({other}: [{c}, {d}){same})",
+                        f"[{a}, {b})",
+                    )
+
 
 def _shown(handle: str) -> str:
     return repr(handle[:32])
-
-
-def check_disjoint(places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
-    """The tensors named `outputs` overlap neither each other nor any other tensor in `places`
-    (a worker writing them must not change what another worker reads)."""
-    spans = {n: (p.region, p.offset, p.offset + p.nbytes) for n, p in places.items() if p.nbytes}
-    for name in outputs:
-        if name not in spans:
-            continue
-        region, a, b = spans[name]
-        for other, (region2, c, d) in spans.items():
-            if other != name and region == region2 and a < d and c < b:
-                raise InvalidInputError(
-                    name, f"bytes overlapping no other tensor ({other}: [{c}, {d}))", f"[{a}, {b})"
-                )

@@ -5,6 +5,7 @@ service healthy."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
+from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
 from zen_mla import region_request as rr
 from zen_mla._memfd import create_sealed_memfd
@@ -32,10 +35,8 @@ REGION_JSON = {"Content-Type": rr.MEDIA_TYPE}
 
 
 def _offer(server) -> dict:
-    offer = server.health()["shared_memory"]
-    assert offer and os.path.exists(offer["socket"]), offer
-    assert (os.stat(offer["socket"]).st_mode & 0o777) == 0o600
-    return offer
+    region_socket(server)
+    return server.health()["shared_memory"]
 
 
 @pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
@@ -95,44 +96,14 @@ def _region(client: RegionClient, nbytes: int) -> ClientRegion:
     return ClientRegion(client, nbytes)
 
 
-def _places(region: ClientRegion, tokens: int, lse: bool):
-    """q, k, v, cu and out (and lse) laid out one after another in `region`, filled."""
-    h, dqk, dv = 2, 64, 32
-    q = region.tensor(0, (tokens, h, dqk), torch.float32)
-    k = region.tensor(q.nbytes, (tokens, h, dqk), torch.float32)
-    v = region.tensor(2 * q.nbytes, (tokens, h, dv), torch.float32)
-    off = 2 * q.nbytes + v.nbytes
-    cu = region.tensor(off, (2,), torch.int64)
-    out = region.tensor(off + 64, (tokens, h, dv), torch.float32)
-    for t in (q, k, v):
-        t.copy_(torch.randn(t.shape))
-    cu.copy_(torch.tensor([0, tokens]))
-    places = {
-        "q": region.place(0, q),
-        "k": region.place(q.nbytes, k),
-        "v": region.place(2 * q.nbytes, v),
-        "q_cu_seq_lens": region.place(off, cu),
-        "out": region.place(off + 64, out),
-    }
-    if lse:
-        lse_t = region.tensor(off + 64 + out.nbytes, (h, tokens), torch.float32)
-        places["lse"] = region.place(off + 64 + out.nbytes, lse_t)
-    return places, (q, k, v, cu, out)
-
-
-def _post(server, places, meta=None):
-    with server.client() as c:
-        return c.post("/prefill", content=rr.encode(places, meta), headers=REGION_JSON)
-
-
 def test_a_request_by_hand_writes_out_in_place_and_says_where(server):
     offer = _offer(server)
     client = RegionClient(offer["socket"], None)
     try:
         assert client.hello["instance"] == offer["instance"]
         region = _region(client, 1 << 20)
-        places, (q, k, v, cu, out) = _places(region, 100, lse=False)
-        r = _post(server, places, {"request_id": "by-hand"})
+        places, (q, k, v, cu, out) = lay_out(region, 100, lse=False)
+        r = post_places(server, places, {"request_id": "by-hand"})
         assert r.status_code == 200, r.text
         answer = rr.decode(r.content, frozenset({"out", "lse"}))
         assert answer.places == {"out": places["out"]}
@@ -173,8 +144,8 @@ def _moved(p: rr.TensorPlace, offset: int) -> rr.TensorPlace:
 def test_bad_places_are_4xx_naming_what_is_wrong(server, bad):
     client = RegionClient(_offer(server)["socket"], None)
     try:
-        places, _ = _places(_region(client, 1 << 20), 100, lse=False)
-        r = _post(server, bad(places))
+        places, _ = lay_out(_region(client, 1 << 20), 100, lse=False)
+        r = post_places(server, bad(places))
         assert r.status_code in (400, 422), r.text
         problem = r.json()
         assert problem["status"] == r.status_code and problem["detail"]
@@ -186,17 +157,17 @@ def test_bad_places_are_4xx_naming_what_is_wrong(server, bad):
 def test_a_region_unregistered_or_its_client_gone_is_no_longer_named(server):
     client = RegionClient(_offer(server)["socket"], None)
     region = _region(client, 1 << 20)
-    places, _ = _places(region, 50, lse=True)
-    assert _post(server, places, {"return_lse": "true"}).status_code == 200
+    places, _ = lay_out(region, 50, lse=True)
+    assert post_places(server, places, {"return_lse": "true"}).status_code == 200
     client.unregister(region.handle)
-    r = _post(server, places, {"return_lse": "true"})
+    r = post_places(server, places, {"return_lse": "true"})
     assert r.status_code == 422 and "registered region" in r.json()["detail"]
     other = RegionClient(_offer(server)["socket"], None)
     region = _region(other, 1 << 20)
-    places, _ = _places(region, 50, lse=False)
+    places, _ = lay_out(region, 50, lse=False)
     other.close()  # the socket closes: its regions end
     deadline = time.monotonic() + 10
-    while _post(server, places).status_code != 422:
+    while post_places(server, places).status_code != 422:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.close()
@@ -225,11 +196,97 @@ def test_descriptors_that_are_not_sealed_memfds_are_refused(server, tmp_path):
         first = recv_frame(sock)
         send_frame(sock, {"op": "register"}, sealed)  # the same memfd again
         assert first["ok"] and not recv_frame(sock)["ok"]
-        sock.sendall(b"\xff\xff\xff\xff")  # a frame announcing 4 GiB: dropped
+        sock.sendall(b"\xff\xff\xff\xff")  # a frame announcing 4 GiB: refused, closed
+        assert recv_frame(sock)["status"] == 413
         assert sock.recv(1) == b""
     for fd in (unsealed, plain, r, w, sealed):
         os.close(fd)
     assert server.health()["status"] == "ok"
+
+
+def _zero_bytes() -> int:
+    return create_sealed_memfd(0)
+
+
+def _sealed_against_writing() -> int:
+    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def _reopened_read_only() -> int:
+    fd = create_sealed_memfd(4096)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
+def _hugetlb() -> int:
+    if Path("/proc/sys/vm/nr_hugepages").read_text().strip() != "0":
+        pytest.skip("this machine has huge pages: a hugetlb memfd maps")
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB
+    fd = os.memfd_create("x", flags)
+    os.ftruncate(fd, 2 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+UNMAPPABLE = {
+    "zero_bytes": (_zero_bytes, "at least 1 byte"),
+    "sealed_against_writing": (_sealed_against_writing, "sealed against writing"),
+    "reopened_read_only": (_reopened_read_only, "read-write"),
+    "hugetlb_without_huge_pages": (_hugetlb, "huge pages"),
+}
+
+
+@pytest.mark.parametrize("case", UNMAPPABLE.values(), ids=UNMAPPABLE.keys())
+def test_a_memfd_that_cannot_be_mapped_is_a_4xx_and_the_connection_stays(server, case):
+    make, says = case
+    client = RegionClient(_offer(server)["socket"], None)
+    try:
+        region = _region(client, 1 << 20)
+        fd = make()
+        try:
+            with pytest.raises(zen_mla.InvalidInputError, match=says):
+                client.register(fd)
+        finally:
+            os.close(fd)
+        places, (q, k, v, cu, out) = lay_out(region, 50, lse=False)  # registered before: kept
+        assert post_places(server, places).status_code == 200
+        assert_close_to_reference(q, k, v, cu, None, True, out)
+    finally:
+        client.close()
+
+
+def test_out_over_q_through_another_handle_of_the_same_memfd_is_refused(server):
+    path = _offer(server)["socket"]
+    first, second = RegionClient(path, None), RegionClient(path, None)
+    fd = create_sealed_memfd(1 << 20)
+    try:
+        memfd = SharedMemfd(fd, 1 << 20)
+        memfd.handle = first.register(fd)
+        other = second.register(fd)  # the same memory, another connection
+    finally:
+        os.close(fd)
+    try:
+        places, (q, *_rest) = lay_out(memfd, 100, lse=False)
+        before = q.clone()
+        over_q = places | {"out": rr.TensorPlace(other, 0, "F32", places["out"].shape)}
+        r = post_places(server, over_q)
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"].startswith("out: ") and "q: [0," in r.json()["detail"]
+        assert torch.equal(q, before)
+        apart = places | {"out": rr.TensorPlace(other, *_at(places["out"]))}
+        assert post_places(server, apart).status_code == 200  # two handles, no overlap: fine
+    finally:
+        first.close()
+        second.close()
+
+
+def _at(p: rr.TensorPlace):
+    return p.offset, p.dtype, p.shape
 
 
 def test_the_token_guards_the_region_socket(tmp_path):
