@@ -41,6 +41,7 @@ from .exchange import (
     handle,
     prepare,
     receive,
+    receive_small,
     stream,
     timed,
 )
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
                 config = EngineConfig(
                     PoolConfig(workers=settings.worker_count, smt=settings.smt),
                     max_work=settings.max_work,
+                    max_seqs=settings.max_seqs,
                 )
                 state.engine = PrefillEngine(config)
                 await asyncio.to_thread(state.engine.start)
@@ -228,7 +230,9 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     s = state.settings
     if s.system_shm:
         state.system_shm = SystemShmRegistry(
-            max_regions=s.system_shm_max_regions, adopt=engine.adopt
+            max_regions=s.system_shm_max_regions,
+            max_bytes=s.system_shm_max_bytes,
+            adopt=engine.adopt,
         )
     path = s.regions_socket
     if path is None:
@@ -242,6 +246,10 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
         token=s.api_token.get_secret_value() if s.api_token is not None else None,
         max_clients=s.shm_max_clients,
         instance=state.instance,
+        # the HTTP door's rule for a request's head holds for hello and for every frame
+        hello_timeout_s=s.header_timeout_s,
+        frame_timeout_s=s.header_timeout_s,
+        max_unauthenticated=s.shm_max_waiting,
     )
     server.start()
     state.regions, state.region_server = registry, server
@@ -277,7 +285,6 @@ async def _from_body(
     buf = await receive(state, request, engine, x)
     n = x.bytes_in
     ingest_s = time.perf_counter() - x.t0
-    x.ticket.uploaded()
     tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
     x.request_id = meta.get("request_id")
     options = wire.parse_options(meta)
@@ -295,11 +302,8 @@ async def _from_regions(
 ) -> Response:
     """A small JSON body naming places in the client's regions: no tensor byte is read."""
     assert state.regions is not None
-    x.ticket = admit(state, request, wire.MAX_HEADER_BYTES)
-    body = await request.body()
-    x.bytes_in = len(body)
+    body = await receive_small(state, request, engine, x, wire.MAX_HEADER_BYTES)
     ingest_s = time.perf_counter() - x.t0
-    x.ticket.uploaded()
     work = resolve_regions(body, state.regions, engine)
     x.request_id = work.options.request_id
     run = functools.partial(engine.run, work.prepared, inputs=work.inputs, outputs=work.outputs)

@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", dest="max_queue", type=int)
     serve.add_argument("--deadline-s", dest="deadline_s", type=float)
     serve.add_argument("--max-work", dest="max_work", type=int)
+    serve.add_argument("--max-seqs", dest="max_seqs", type=int)
     serve.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float)
     serve.add_argument("--max-uploads", dest="max_uploads", type=int)
     serve.add_argument("--max-inflight-bytes", dest="max_inflight_bytes", type=int)
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", dest="max_connections", type=int)
     serve.add_argument("--fd-reserve", dest="fd_reserve", type=int)
     serve.add_argument("--linger-s", dest="linger_s", type=float)
+    serve.add_argument("--linger-bytes", dest="linger_bytes", type=int)
     serve.add_argument(
         "--shared-memory",
         dest="shared_memory",
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-max-regions", dest="shm_max_regions", type=int)
     serve.add_argument("--shm-max-bytes", dest="shm_max_bytes", type=int)
     serve.add_argument("--shm-max-clients", dest="shm_max_clients", type=int)
+    serve.add_argument("--shm-max-waiting", dest="shm_max_waiting", type=int)
     serve.add_argument(
         "--system-shm",
         dest="system_shm",
@@ -129,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="offer the v2 system shared memory extension (default: off)",
     )
     serve.add_argument("--system-shm-max-regions", dest="system_shm_max_regions", type=int)
+    serve.add_argument("--system-shm-max-bytes", dest="system_shm_max_bytes", type=int)
     serve.add_argument("--max-json-bytes", dest="max_json_bytes", type=int)
     serve.add_argument("--http", choices=["httptools", "h11"])
     serve.add_argument("--log-level", dest="log_level")

@@ -47,12 +47,14 @@ __all__ = [
     "Exchange",
     "ServiceState",
     "admit",
+    "byte_count",
     "compute",
     "drop_body",
     "gate",
     "handle",
     "prepare",
     "receive",
+    "receive_small",
     "stream",
     "timed",
 ]
@@ -81,6 +83,8 @@ class ServiceState:
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
+    # work whose client hung up, running on to its end (`_abandon`); owned by the event loop
+    abandoned: set[asyncio.Future[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings)
@@ -113,11 +117,22 @@ def gate(state: ServiceState, request: Request) -> PrefillEngine:
     return state.engine
 
 
+def byte_count(raw: str) -> int | None:
+    """A header's byte count: ASCII digits only (str.isdigit() takes "²" and int() 5,000
+    digits, both costly or fatal later), at most 18 of them; None otherwise."""
+    raw = raw.strip()
+    if not (0 < len(raw) <= 18 and raw.isascii() and raw.isdigit()):
+        return None
+    return int(raw)
+
+
 def content_length(request: Request) -> int:
-    length = request.headers.get("content-length")
-    if length is None or not length.isdigit():
-        raise LengthRequiredError("Content-Length: expected the body size in bytes, got none")
-    return int(length)
+    raw = request.headers.get("content-length")
+    n = None if raw is None else byte_count(raw)
+    if n is None:
+        got = "none" if raw is None else repr(raw[:40])
+        raise LengthRequiredError(f"Content-Length: expected the body size in bytes, got {got}")
+    return n
 
 
 def admit(state: ServiceState, request: Request, limit: int) -> Ticket:
@@ -132,14 +147,15 @@ def admit(state: ServiceState, request: Request, limit: int) -> Ticket:
 async def receive(
     state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange, lead: int = 0
 ) -> SharedBuffer:
-    """The admitted body (its Content-Length) in a pool buffer from byte `lead` on, read no
-    slower than the minimum rate and within the deadline; it is `x.buf` from then on."""
+    """The admitted body (`x.ticket`'s Content-Length) in a pool buffer from byte `lead` on,
+    through the one body reader (`ingest.read_body`: its rate, deadline and byte budget); it is
+    `x.buf` from then on."""
     s = state.settings
-    n = content_length(request)
+    assert x.ticket is not None, "admit() first"
     loop = asyncio.get_running_loop()
     x.buf = await read_body(
         request.receive,
-        n,
+        x.ticket,
         engine,
         min_rate=s.min_body_rate,
         grace_s=s.body_grace_s,
@@ -147,15 +163,30 @@ async def receive(
         deadline_s=s.deadline_s,
         lead=lead,
     )
-    x.bytes_in = n
+    x.bytes_in = x.ticket.nbytes
+    x.ticket.uploaded()
     return x.buf
 
 
+async def receive_small(
+    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange, limit: int
+) -> bytes:
+    """A small body (a regions JSON, a registration), admitted and read through the one body
+    reader like any other, as bytes; its buffer goes back at once."""
+    x.ticket = admit(state, request, limit)
+    buf = await receive(state, request, engine, x)
+    try:
+        return bytes(buf.bytes_view[: x.bytes_in])
+    finally:
+        await drop_body(engine, x)
+
+
 async def drop_body(engine: PrefillEngine, x: Exchange) -> None:
-    """The body's buffer back to the pool once read (before the answer is sent)."""
-    held, x.buf = x.buf, None
-    if held is not None:
-        await give_back(engine, held)
+    """The body's buffer (and any staging the work read) back to the pool once the work is
+    done (before the answer is sent)."""
+    held, x.buf, x.staging = [*([x.buf] if x.buf is not None else []), *x.staging], None, []
+    for buf in held:
+        await give_back(engine, buf)
 
 
 async def _disconnected(request: Request) -> None:
@@ -181,6 +212,7 @@ class Exchange:
     bytes_out: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     buf: SharedBuffer | None = None  # the body's buffer, until handed back
+    staging: list[SharedBuffer] = field(default_factory=list)  # more buffers the work reads
     ticket: Ticket | None = None
 
     def remaining(self, deadline_s: float) -> float:
@@ -276,7 +308,7 @@ async def compute(
     watch: set[asyncio.Future[Any]] = {waiting, gone}
     await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
     if not waiting.done():
-        waiting.cancel()  # abandons the work: its busy workers are stopped and replaced
+        _abandon(state, job, waiting, x)
         raise ClientGoneError
     gone.cancel()
     result = waiting.result()  # DeadlineExceededError past the deadline
@@ -287,6 +319,40 @@ async def compute(
     state.metrics.observe("compute", compute_s)
     state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
     return result, (queue_s, compute_s)
+
+
+def _abandon(
+    state: ServiceState, job: PrefillJob, waiting: asyncio.Future[PrefillResult], x: Exchange
+) -> None:
+    """The client hung up while its work was queued or running.
+
+    Work no worker has started is dropped. Work that started runs on (stopping a worker costs
+    a restart of seconds, which no client may cause at will) and still holds its queue place,
+    its body's buffer and its bytes until it ends or its deadline stops it: hanging up costs
+    the others no more than waiting for the answer would.
+    """
+    if job.started_at is None:
+        waiting.cancel()
+        return
+    ticket, x.ticket = x.ticket, None
+    held = Exchange(x.route, buf=x.buf, staging=x.staging)  # what the work reads, until it ends
+    x.buf, x.staging = None, []
+    engine = state.engine
+
+    async def finish() -> None:
+        try:
+            (await waiting).release()
+        except Exception:  # past its deadline, or failed: nobody is waiting for the answer
+            pass
+        finally:
+            if engine is not None:
+                await drop_body(engine, held)
+            if ticket is not None:
+                ticket.close()
+
+    task = asyncio.ensure_future(finish())
+    state.abandoned.add(task)
+    task.add_done_callback(state.abandoned.discard)
 
 
 def timed(response: R, ingest_s: float, queue_s: float, compute_s: float, x: Exchange) -> R:

@@ -1,17 +1,26 @@
-"""Request bodies in: admission of uploads apart from compute, a budget of bytes in flight, and
-reading a body into the pool's shared memory no slower than a minimum rate.
+"""The one body reader: every HTTP body the service reads (a safetensors `/prefill`, a regions
+JSON, a `/v2` infer in JSON or binary, a system shared memory registration) comes in here, with
+one admission, one minimum rate, one deadline and one byte budget.
 
-A body being read holds an upload slot (`max_uploads`) and its Content-Length of the byte budget
-(`max_inflight_bytes`), never a compute slot: `max_queue` counts only requests whose body is in.
-So clients that send slowly can fill the upload slots, not the queue, and are cut off (408) once
-they fall below `min_body_rate`.
+- A body being read holds an upload slot (`max_uploads`), never a compute slot: `max_queue`
+  counts only requests whose body is in. With the slots full, a new upload takes the slot of
+  the slowest upload that has averaged under twice the minimum rate (answered 408): clients
+  that send nothing, or just above the minimum rate, cannot keep the others out by their
+  number, and an upload that comes at any real speed is never cut off for another.
+- Memory follows the bytes that came: a body's buffer is made without its pages, which are
+  faulted in a window ahead of the bytes as they arrive, and the byte budget
+  (`max_inflight_bytes`) is charged for what is faulted in, not for what a Content-Length
+  announces. A body that would pass the budget is a 429.
+- After `body_grace_s`, the bytes in must keep up with `min_body_rate` (408 below); the
+  request's deadline bounds the whole read (504).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -24,47 +33,73 @@ from .settings import Settings
 
 __all__ = ["Admission", "Ticket", "give_back", "read_body"]
 
-# Buffers up to this size are made and given back on the event loop (~0.1 ms per MiB);
-# larger ones in a thread. Giving back (unmapping) there lets the loop run; making one does not
-# yet: the pool maps with MAP_POPULATE, and CPython 3.11's mmap() holds the GIL throughout
-# (measured: a fresh 1 GiB buffer stalls the loop 0.7-1.5 s here). Buffers the pool's cache
-# reuses cost nothing.
+# Buffers up to this size are given back on the event loop; larger ones in a thread (unmapping
+# 1 GiB takes 0.3-0.5 s, without the GIL).
 SMALL_BYTES = 1 << 20
-# A larger body's buffer is made once this fraction of it arrived, so an announced size that
-# never comes costs no memory: committed memory stays within 16x the bytes that arrived.
-PROOF_FRACTION = 16
+# An upload is measured this long before a newcomer may take its slot: long enough for its
+# first bytes, which on a working connection come with the head or right after it.
+DISPLACE_AFTER_S = 0.05
+# Bytes of a body faulted in (and charged to the budget) ahead of the bytes that came: faulting
+# a window in one madvise is far cheaper than a fault per page, and 16 MiB takes ~2 ms.
+WINDOW = 16 << 20
 
 
 @dataclass
 class Admission:
     """What the admitted requests hold. Owner: the event loop thread (only coroutines on it
-    read or change these counters, so they need no lock)."""
+    read or change these counters and the set of readers, so they need no lock)."""
 
     settings: Settings
     inflight: int = 0  # admitted and not answered: reading, queued or computing
-    uploads: int = 0  # bodies being read
     queued: int = 0  # bodies in, queued or computing
-    inflight_bytes: int = 0  # Content-Length sum of the admitted requests
+    inflight_bytes: int = 0  # body bytes held in memory: faulted in while read, whole once in
+    reading: dict[Ticket, None] = field(default_factory=dict)  # bodies being read, in order
+
+    @property
+    def uploads(self) -> int:
+        return len(self.reading)
 
     def check_queue(self) -> None:
         if self.queued >= self.settings.max_queue:
             raise QueueFullError(f"{self.queued} requests are queued or running", retry_after=1)
 
     def admit(self, nbytes: int) -> Ticket:
-        """An upload slot and `nbytes` of the budget, or QueueFullError (429)."""
+        """An upload slot for a body of `nbytes`, or QueueFullError (429)."""
         s = self.settings
-        if self.uploads >= s.max_uploads:
-            raise QueueFullError(f"{self.uploads} request bodies are being read", retry_after=1)
-        if self.inflight_bytes + nbytes > s.max_inflight_bytes:
+        if len(self.reading) >= s.max_uploads and not self._displace_slowest():
+            raise QueueFullError(f"{len(self.reading)} request bodies are being read", 1)
+        ticket = Ticket(self, nbytes)
+        self.inflight += 1
+        self.reading[ticket] = None
+        return ticket
+
+    def _displace_slowest(self) -> bool:
+        """Cut off the slowest upload, if one has averaged under twice the minimum rate (at
+        least 1 MB/s), for a new one."""
+        now = time.monotonic()
+        floor = 2 * max(self.settings.min_body_rate, 1e6)
+        rates = {
+            t: t.got / (now - t.started)
+            for t in self.reading
+            if now - t.started >= DISPLACE_AFTER_S and not t.displaced
+        }
+        slow = [t for t, rate in rates.items() if rate < floor]
+        if not slow:
+            return False
+        min(slow, key=rates.__getitem__).displace()
+        return True
+
+    def charge(self, ticket: Ticket, nbytes: int) -> None:
+        """`nbytes` more of the budget for `ticket`, or QueueFullError (429)."""
+        budget = self.settings.max_inflight_bytes
+        if self.inflight_bytes + nbytes > budget:
             raise QueueFullError(
-                f"{self.inflight_bytes} bytes of requests are in flight; {nbytes} more would "
-                f"pass the {s.max_inflight_bytes} byte budget",
+                f"{self.inflight_bytes} bytes of request bodies are held; {nbytes} more would "
+                f"pass the {budget} byte budget",
                 retry_after=1,
             )
-        self.inflight += 1
-        self.uploads += 1
         self.inflight_bytes += nbytes
-        return Ticket(self, nbytes)
+        ticket.charged += nbytes
 
 
 class Ticket:
@@ -72,15 +107,23 @@ class Ticket:
 
     def __init__(self, admission: Admission, nbytes: int) -> None:
         self._admission = admission
-        self._nbytes = nbytes
-        self._uploading = True
+        self.nbytes = nbytes  # as announced
+        self.started = time.monotonic()
+        self.got = 0  # body bytes in so far
+        self.charged = 0  # bytes of the budget held
+        self.displaced = False
+        self._timer: asyncio.Timeout | None = None  # the read's, while it runs
         self._queued = False
         self._open = True
 
+    def displace(self) -> None:
+        """Cut this upload off (its read raises RequestTimeoutError) for a faster one."""
+        self.displaced = True
+        if self._timer is not None:
+            self._timer.reschedule(asyncio.get_running_loop().time())
+
     def uploaded(self) -> None:
-        if self._uploading:
-            self._uploading = False
-            self._admission.uploads -= 1
+        self._admission.reading.pop(self, None)
 
     def enqueue(self) -> None:
         """A compute slot, or QueueFullError (429)."""
@@ -97,7 +140,8 @@ class Ticket:
         a = self._admission
         if self._queued:
             a.queued -= 1
-        a.inflight_bytes -= self._nbytes
+        a.inflight_bytes -= self.charged
+        self.charged = 0
         a.inflight -= 1
 
 
@@ -106,7 +150,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 async def read_body(
     receive: Receive,
-    nbytes: int,
+    ticket: Ticket,
     engine: PrefillEngine,
     *,
     min_rate: float,
@@ -115,26 +159,31 @@ async def read_body(
     deadline_s: float,
     lead: int = 0,
 ) -> SharedBuffer:
-    """The body of `nbytes` (its Content-Length), in a pool buffer the caller releases, from
-    byte `lead` on (a caller that knows where the body's tensors start aligns them so).
+    """The body of `ticket.nbytes` (its Content-Length), in a pool buffer the caller releases,
+    from byte `lead` on (a caller that knows where the body's tensors start aligns them so).
 
     After `grace_s`, the bytes in must keep up with `min_rate` bytes/s (counted from the start
-    of the read): a body falling behind raises RequestTimeoutError (408). `deadline_at` (loop
-    time) raises DeadlineExceededError (504); a vanished client ClientDisconnect; a body longer
-    or shorter than announced WireFormatError (400).
+    of the read): a body falling behind, or displaced by a faster one, raises
+    RequestTimeoutError (408). `deadline_at` (loop time) raises DeadlineExceededError (504); a
+    vanished client ClientDisconnect; a body longer or shorter than announced WireFormatError
+    (400); the byte budget QueueFullError (429).
     """
+    nbytes = ticket.nbytes
     loop = asyncio.get_running_loop()
     start = loop.time()
+    total = lead + nbytes
+    # No pages yet: they are faulted in (and charged) a window ahead of the bytes that came.
+    buf = engine.buffer(total, prefault=False)
+    view = buf.bytes_view
     got = 0
-    early: list[bytes] = []  # chunks that came before the buffer was made
-    buf: SharedBuffer | None = None
-    if nbytes <= SMALL_BYTES:
-        buf = engine.buffer(lead + nbytes)
     slow = False
     try:
         async with asyncio.timeout(None) as timer:
+            ticket._timer = timer
             more = True
             while more:
+                if ticket.displaced:
+                    raise TimeoutError
                 cut = start + grace_s + got / min_rate if min_rate > 0 else deadline_at
                 slow = cut < deadline_at
                 timer.reschedule(min(cut, deadline_at))
@@ -146,35 +195,33 @@ async def read_body(
                 end = got + len(chunk)
                 if end > nbytes:
                     raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", "more")
-                if buf is not None:
-                    buf.bytes_view[lead + got : lead + end] = chunk
-                else:
-                    early.append(chunk)
-                    if end >= nbytes // PROOF_FRACTION or not more:
-                        buf = await asyncio.to_thread(engine.buffer, lead + nbytes)
-                        view, at = buf.bytes_view, lead
-                        for part in early:
-                            view[at : at + len(part)] = part
-                            at += len(part)
-                        early.clear()
-                got = end
+                if lead + end > ticket.charged:  # the next window, in one step
+                    want = min(total, lead + end + WINDOW)
+                    ticket._admission.charge(ticket, want - ticket.charged)
+                    buf.fault_in(want)
+                view[lead + got : lead + end] = chunk
+                got = ticket.got = end
     except TimeoutError:
-        if buf is not None:
-            await give_back(engine, buf)
+        await give_back(engine, buf)
+        elapsed = loop.time() - start
+        if ticket.displaced:
+            raise RequestTimeoutError(
+                f"the body was cut off for a faster one while every upload slot was taken: "
+                f"{got} of {nbytes} bytes in {elapsed:.1f} s"
+            ) from None
         if slow:
-            elapsed = loop.time() - start
             raise RequestTimeoutError(
                 f"the body came slower than {min_rate:.0f} bytes/s after a {grace_s} s grace: "
                 f"{got} of {nbytes} bytes in {elapsed:.1f} s"
             ) from None
         raise DeadlineExceededError(f"the body did not arrive within {deadline_s} s") from None
     except BaseException:
-        if buf is not None:
-            await give_back(engine, buf)
+        await give_back(engine, buf)
         raise
-    if got != nbytes or buf is None:
-        if buf is not None:
-            await give_back(engine, buf)
+    finally:
+        ticket._timer = None
+    if got != nbytes:
+        await give_back(engine, buf)
         raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
     return buf
 

@@ -45,6 +45,7 @@ from .exchange import (
     ServiceState,
     admit,
     authorize,
+    byte_count,
     compute,
     content_length,
     drop_body,
@@ -52,6 +53,7 @@ from .exchange import (
     handle,
     prepare,
     receive,
+    receive_small,
     stream,
     timed,
 )
@@ -64,6 +66,7 @@ __all__ = ["add_routes", "error_response"]
 ALIGN = 64  # the binary tensor data starts on a cache line
 JSON_BYTES_PER_NUMBER = 16  # a generous estimate of one number written as JSON
 HEADER_LENGTH = "inference-header-content-length"
+REGISTER_BYTES = 64 << 10  # a system shared memory registration's JSON, at most
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {
@@ -214,21 +217,24 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         return JSONResponse(registry(request).status(name))
 
     @app.post(shm + "/region/{name}/register", tags=["v2"], responses=ERROR_RESPONSES)
-    @guarded
     async def shm_register(request: Request, name: str) -> Response:
         """Register `byte_size` bytes from `offset` of the /dev/shm object `key` as `name`."""
-        regions = registry(request)
-        n = content_length(request)
-        if n > 64 << 10:
-            raise BodyTooLargeError(f"Content-Length: expected at most {64 << 10}, got {n}")
-        body = kr.parse_header(await request.body())
-        if not isinstance(body, dict):
-            raise WireFormatError("register", "a JSON object", type(body).__name__)
-        unknown = sorted(set(body) - {"key", "offset", "byte_size"})
-        if unknown:
-            raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
-        regions.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
-        return JSONResponse({})
+
+        async def work(x: Exchange) -> Response:
+            regions = registry(request)
+            assert state.engine is not None  # regions exist once the engine started
+            raw = await receive_small(state, request, state.engine, x, REGISTER_BYTES)
+            body = kr.parse_header(raw)
+            if not isinstance(body, dict):
+                raise WireFormatError("register", "a JSON object", type(body).__name__)
+            unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+            if unknown:
+                raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
+            regions.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+            x.status = 200
+            return JSONResponse({})
+
+        return await handle(state, "v2_register", work, _answer_error)
 
     @app.post(shm + "/unregister", tags=["v2"], responses=ERROR_RESPONSES)
     @app.post(shm + "/region/{name}/unregister", tags=["v2"], responses=ERROR_RESPONSES)
@@ -258,11 +264,12 @@ def _header_length(request: Request, n: int) -> int:
     raw = request.headers.get(HEADER_LENGTH)
     if raw is None:
         return n
-    if not raw.strip().isdigit() or int(raw) > n:
+    count = byte_count(raw)
+    if count is None or count > n:
         raise WireFormatError(
-            "Inference-Header-Content-Length", f"a byte count up to the body's {n}", repr(raw)[:40]
+            "Inference-Header-Content-Length", f"a byte count up to the body's {n}", repr(raw[:40])
         )
-    return int(raw)
+    return count
 
 
 async def _infer(
@@ -292,28 +299,25 @@ async def _infer(
     lead = -json_bytes % ALIGN
     buf = await receive(state, request, engine, x, lead)
     ingest_s = time.perf_counter() - x.t0
-    x.ticket.uploaded()
     raw = bytes(buf.bytes_view[lead : lead + json_bytes])
     req, tensors = await _read_request(raw, n - json_bytes, big_json)
     del raw
     x.request_id = req.id
     if req.uses_shm and not s.system_shm:
         raise _shm_off()
-    tensors |= _inputs(req, buf, lead + json_bytes, state.system_shm)
+    tensors |= _inputs(engine, req, buf, lead + json_bytes, state.system_shm)
     homes, staging = _place_inputs(engine, tensors, buf, req, state.system_shm)
+    if staging is not None:
+        x.staging.append(staging)  # given back with the body, once the work is done
+    prepared = prepare(engine, tensors, req.options)
+    places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
+    direct = _direct_outputs(req, places)
+    run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
     try:
-        prepared = prepare(engine, tensors, req.options)
-        places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
-        direct = _direct_outputs(req, places)
-        run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
-        try:
-            result, timing = await compute(state, request, prepared, run, x)
-        except KernelError:
-            _check_regions(req, state.system_shm)  # a worker failed on a region shrunk meanwhile
-            raise
-    finally:
-        if staging is not None:
-            engine.release(staging)
+        result, timing = await compute(state, request, prepared, run, x)
+    except KernelError:
+        _check_regions(req, state.system_shm)  # a worker failed on a region shrunk meanwhile
+        raise
     await drop_body(engine, x)
     response = await _respond(req, result, places, direct is not None)
     x.status = 200
@@ -344,7 +348,11 @@ async def _read_request(
 
 
 def _inputs(
-    req: kr.InferRequest, buf: SharedBuffer, data_at: int, regions: SystemShmRegistry | None
+    engine: PrefillEngine,
+    req: kr.InferRequest,
+    buf: SharedBuffer,
+    data_at: int,
+    regions: SystemShmRegistry | None,
 ) -> dict[str, torch.Tensor]:
     """Each input given as binary data or in a region as a tensor: views of the body's buffer
     or of the region (read by the workers only), copies where they must be (misaligned, or
@@ -362,6 +370,7 @@ def _inputs(
             assert regions is not None
             region = _region(regions, name, spec.shm, spec.nbytes, spec.dtype)
             if name.endswith("seq_lens"):  # read here: by pread, never through the mapping
+                engine.check_num_seqs(name, spec.shape[0])  # before reading a byte of it
                 data = region.read(name, spec.shm.offset, spec.nbytes)
                 tensors[name] = _from_bytes(data, spec.dtype, spec.shape)
             else:
@@ -589,7 +598,7 @@ async def _respond(
                 entry["parameters"] = {"binary_data_size": data.nbytes}
                 chunks.append(data)
             else:
-                entry["data"] = await asyncio.to_thread(_json_numbers, t)
+                entry["data"] = await asyncio.to_thread(_json_numbers, out.name, t)
             entries.append(entry)
         head = kr.response_header(req, entries, meta)
     except BaseException:
@@ -607,6 +616,16 @@ async def _respond(
     )
 
 
-def _json_numbers(t: torch.Tensor) -> list[Any]:
-    values: list[Any] = t.reshape(-1).float().tolist()
+def _json_numbers(name: str, t: torch.Tensor) -> list[Any]:
+    """The numbers of `t` for a JSON answer; JSON has no infinities or NaN (the LSE of a query
+    that sees no key is -inf), so such an output must be asked for as binary data."""
+    flat = t.reshape(-1).float()
+    if not bool(torch.isfinite(flat).all()):
+        raise InvalidInputError(
+            f"{name}.binary_data",
+            f"true: {name} holds -inf, inf or NaN (an LSE is -inf where a query sees no key), "
+            "which JSON cannot carry",
+            "false",
+        )
+    values: list[Any] = flat.tolist()
     return values

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, WireFormatError
-from zen_mla.wire import PrefillOptions
+from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id
 
 __all__ = [
     "DATATYPES",
@@ -177,6 +177,7 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInputError("id", "a string", type(request_id).__name__)
+    check_request_id("id", request_id)
     params = _parameters(doc.get("parameters"))
 
     raw_inputs = doc.get("inputs")
@@ -308,7 +309,9 @@ def _input(raw: object, binary_at: int) -> InputSpec:
         )
     shape = raw.get("shape")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        raise InvalidInputError(f"{name}.shape", "a list of whole numbers >= 0", repr(shape)[:60])
+        raise InvalidInputError(
+            f"{name}.shape", "a list of whole numbers 0 <= d < 2^48", repr(shape)[:60]
+        )
     if len(shape) != ndim:
         layout = "[T, H, D]" if ndim == 3 else "[B + 1]"
         raise InvalidInputError(f"{name}.shape", f"{ndim} dimensions {layout}", str(shape)[:60])
@@ -351,7 +354,7 @@ def _input(raw: object, binary_at: int) -> InputSpec:
 
 
 def _is_count(d: object) -> bool:
-    return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+    return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM
 
 
 def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[OutputSpec, ...]:
@@ -390,4 +393,4 @@ def response_header(
         doc["id"] = request.id
     doc["parameters"] = dict(meta)
     doc["outputs"] = outputs
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()

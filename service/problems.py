@@ -22,7 +22,8 @@ PROBLEM_JSON = "application/problem+json"
 
 
 class Problem(BaseModel):
-    """RFC 9457 problem details; 422s add which tensor broke which rule."""
+    """RFC 9457 problem details; 422s add which tensor broke which rule, and how to fix it
+    where the message says (`hint`)."""
 
     type: str
     title: str
@@ -31,6 +32,7 @@ class Problem(BaseModel):
     tensor: str | None = None
     expected: str | None = None
     got: str | None = None
+    hint: str | None = None
     request_id: str | None = None
 
 
@@ -52,6 +54,8 @@ def problem_body(exc: ZenMLAError, request_id: str | None = None) -> dict[str, A
     }
     if isinstance(exc, InvalidInputError):
         body |= {"tensor": exc.name, "expected": exc.expected, "got": exc.got}
+        if exc.hint:
+            body["hint"] = exc.hint  # the client rebuilds the exception with it
     if request_id is not None:
         body["request_id"] = request_id
     return body

@@ -1,6 +1,9 @@
 """Guards under uvicorn's HTTP parsers (httptools and h11 alike), before a request reaches the app.
 
-- a cap on open connections: one over it is answered 503 and closed;
+- a cap on open connections: at the cap, a new connection takes the place of the connection
+  that has waited longest without a request in flight (idle, or its head still coming: it is
+  answered 408 and closed; or lingering after its answer: closed); with none such, it is
+  answered 503 and closed;
 - a cap on the request line and headers: 431, checked before bytes are handed to the parser
   (httptools has no limit of its own: a 128 MiB header took 20 s to parse and stalled others);
 - a header timeout: a connection that has not delivered a request's headers within it, from
@@ -51,6 +54,9 @@ class _Guarded(asyncio.Protocol):
     """Mixed in before a uvicorn protocol; every attribute below but `limits` is uvicorn's."""
 
     limits: ClassVar[ConnectionLimits]
+    # Connections without a request in flight, longest waiting first (a dict keeps insertion
+    # order). Owner: the event loop's thread, where every protocol callback runs.
+    idle: ClassVar[dict[_Guarded, None]]
     transport: asyncio.Transport
     connections: Any
     cycle: Any
@@ -65,6 +71,8 @@ class _Guarded(asyncio.Protocol):
         self._armed_for: object = None
         super().connection_made(_LingeringTransport(self._real, self))
         over = len(self.connections) - self.limits.max_connections
+        if over > 0 and self._displace_idle():
+            over = 0
         if over > REFUSALS_ANSWERED:  # a flood: lingering would hold a descriptor for each
             self._lingering = True
             self._real.close()
@@ -77,7 +85,34 @@ class _Guarded(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        self.idle.pop(self, None)
         super().connection_lost(exc)
+
+    def _displace_idle(self) -> bool:
+        """Close the connection that has waited longest with no request in flight, for this
+        one; False when there is none."""
+        while self.idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            if oldest is self or oldest._real.is_closing():
+                continue
+            if oldest._lingering:  # answered already: only its close was pending
+                oldest._real.close()
+                return True
+            t = self.limits.header_timeout_s
+            oldest._real.write(
+                problem_bytes(
+                    RequestTimeoutError(
+                        "no request came on this connection while others waited for one "
+                        f"(the connection cap is reached; idle ones are closed, at most {t} s)"
+                    )
+                )
+            )
+            oldest._lingering = True  # nothing more goes to the parser
+            oldest._cancel_timer()
+            oldest._real.close()
+            return True
+        return False
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -94,6 +129,7 @@ class _Guarded(asyncio.Protocol):
             super().data_received(data)
             if not self.awaiting_head():
                 self._head_bytes = 0
+                self.idle.pop(self, None)  # a request is in flight
             return
         # Only as much as the cap allows goes to the parser; the rest only if the head ended.
         super().data_received(data[:room])
@@ -108,6 +144,7 @@ class _Guarded(asyncio.Protocol):
             )
             return
         self._head_bytes = 0
+        self.idle.pop(self, None)
         self.data_received(data[room:])
 
     def awaiting_head(self) -> bool:
@@ -120,7 +157,11 @@ class _Guarded(asyncio.Protocol):
         return partial_head or (cycle is not None and cycle.more_body and not cycle.disconnected)
 
     def arm_header_timer(self) -> None:
+        """From now on the connection waits for a request: its headers must come in time, and
+        it may be displaced at the connection cap."""
         self._cancel_timer()
+        self.idle.pop(self, None)
+        self.idle[self] = None
         self._armed_for = self.cycle
         self._timer = self.loop.call_later(self.limits.header_timeout_s, self._header_timeout)
 
@@ -153,6 +194,8 @@ class _Guarded(asyncio.Protocol):
             return
         self._lingering = True
         self._cancel_timer()
+        self.idle.pop(self, None)
+        self.idle[self] = None  # answered: its place may go to a new connection at the cap
         real = self._real
         if real.is_closing():
             return
@@ -261,4 +304,4 @@ class GuardedH11Protocol(_Guarded, H11Protocol):
 def protocol_class(http: str, limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's protocol for `http` ("httptools" or "h11") with these limits."""
     base: type[_Guarded] = GuardedHttpToolsProtocol if http == "httptools" else GuardedH11Protocol
-    return type(base.__name__, (base,), {"limits": limits})
+    return type(base.__name__, (base,), {"limits": limits, "idle": {}})

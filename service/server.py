@@ -78,7 +78,7 @@ def build_server(settings: Settings, fd_limit: int) -> DrainingServer:
         max_header_bytes=settings.max_header_bytes,
         header_timeout_s=settings.header_timeout_s,
         linger_s=settings.linger_s,
-        linger_bytes=settings.max_body_bytes,
+        linger_bytes=settings.linger_bytes,
     )
     config = uvicorn.Config(
         app,

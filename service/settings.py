@@ -19,14 +19,25 @@ class Settings(BaseSettings):
     uds: str | None = Field(None, description="serve on this Unix socket instead of TCP")
     workers: int | Literal["auto"] = Field("auto", description="'auto': one per CCX")
     smt: bool = Field(False, description="also run threads on SMT siblings")
-    api_token: SecretStr | None = Field(None, description="bearer token guarding /prefill")
+    api_token: SecretStr | None = Field(
+        None,
+        description="bearer token guarding every route but health, metrics and metadata, and "
+        "the region socket",
+    )
     max_body_bytes: int = Field(1 << 30, gt=0, description="413 above this Content-Length")
     max_queue: int = Field(
         8, ge=1, description="requests whose body is in, queued or computing at once; 429 above"
     )
-    max_uploads: int = Field(32, ge=1, description="bodies being read at once; 429 above")
+    max_uploads: int = Field(
+        32,
+        ge=1,
+        description="bodies being read at once; above, a new one cuts off the slowest past its "
+        "grace (408), else 429",
+    )
     max_inflight_bytes: int = Field(
-        4 << 30, gt=0, description="Content-Length sum of admitted requests held; 429 above"
+        4 << 30,
+        gt=0,
+        description="body bytes held in memory (as they arrive, not as announced); 429 above",
     )
     min_body_rate: float = Field(
         1e6, ge=0, description="bytes/s a body must average after the grace; 408 below; 0: off"
@@ -62,7 +73,14 @@ class Settings(BaseSettings):
     )
     shm_max_regions: int = Field(64, ge=1, description="regions one client may hold")
     shm_max_bytes: int = Field(64 << 30, ge=1, description="bytes of regions one client may hold")
-    shm_max_clients: int = Field(64, ge=1, description="region-socket connections at once")
+    shm_max_clients: int = Field(
+        64, ge=1, description="region-socket connections that said hello, at once"
+    )
+    shm_max_waiting: int = Field(
+        16,
+        ge=1,
+        description="region-socket connections yet to say hello; above, the oldest is closed",
+    )
     system_shm: bool = Field(
         False,
         description="the Open Inference Protocol's system shared memory: clients name /dev/shm "
@@ -70,6 +88,17 @@ class Settings(BaseSettings):
     )
     system_shm_max_regions: int = Field(
         64, ge=1, description="system shared memory regions registered at once"
+    )
+    system_shm_max_bytes: int = Field(
+        64 << 30, ge=1, description="bytes of system shared memory regions mapped at once"
+    )
+    max_seqs: int = Field(
+        8192, ge=1, description="sequences (B) in one request; 422 above, before any work"
+    )
+    linger_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="after an early answer, at most this much unread input is discarded",
     )
     max_json_bytes: int = Field(
         16 << 20,

@@ -94,8 +94,14 @@ class SystemRegion:
 class SystemShmRegistry:
     """Regions by name, at most `max_regions` of them."""
 
-    def __init__(self, *, max_regions: int, adopt: Callable[[int, int], SharedBuffer]) -> None:
-        self.max_regions = max_regions
+    def __init__(
+        self,
+        *,
+        max_regions: int,
+        max_bytes: int,
+        adopt: Callable[[int, int], SharedBuffer],
+    ) -> None:
+        self.max_regions, self.max_bytes = max_regions, max_bytes
         self._adopt = adopt
         self._regions: dict[str, SystemRegion] = {}
 
@@ -131,6 +137,15 @@ class SystemShmRegistry:
         assert isinstance(offset, int) and isinstance(byte_size, int)
         if byte_size == 0:
             raise InvalidInputError("byte_size", "at least 1", "0")
+        held = sum(r.offset + r.byte_size for r in self._regions.values())
+        if held + offset + byte_size > self.max_bytes:
+            raise InvalidInputError(
+                "byte_size",
+                f"offset + byte_size within the {self.max_bytes} bytes regions may map in all "
+                f"({held} mapped)",
+                f"{offset} + {byte_size}",
+                "Register only the part of an object that tensors use",
+            )
         path = os.path.join(SHM_DIR, match.group(1))
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
@@ -157,9 +172,18 @@ class SystemShmRegistry:
                     f"offset + byte_size within {path} ({st.st_size} bytes)",
                     f"{offset} + {byte_size}",
                 )
-            buffer = self._adopt(fd, offset + byte_size)
+            try:
+                owned, fd = fd, -1  # the buffer's now, closed by it even when it fails
+                buffer = self._adopt(owned, offset + byte_size)
+            except (OSError, OverflowError, ValueError) as exc:  # no address space for it
+                raise InvalidInputError(
+                    "byte_size",
+                    "offset + byte_size this service can map",
+                    f"{offset} + {byte_size}: {getattr(exc, 'strerror', None) or exc}",
+                ) from None
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
         self._regions[name] = SystemRegion(
             name, str(key), offset, byte_size, buffer, (st.st_dev, st.st_ino)

@@ -7,14 +7,22 @@ the scale is a positive finite number.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ._errors import InvalidInputError
 
-__all__ = ["DTYPES", "RaggedBatch", "Run", "validate", "visible_pairs"]
+__all__ = [
+    "DTYPES",
+    "RaggedBatch",
+    "Run",
+    "check_num_seqs",
+    "total_visible_pairs",
+    "validate",
+    "visible_pairs",
+]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -27,6 +35,20 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
         return sq * sk
     seen = min(sq, sk)
     return seen * (sk - seen) + seen * (seen + 1) // 2
+
+
+def total_visible_pairs(
+    q_cu_seq_lens: Sequence[int], kv_cu_seq_lens: Sequence[int], causal: bool
+) -> int:
+    """`visible_pairs` summed over a batch's requests, in one pass of int64 tensor arithmetic
+    (exact below 2^63: offsets are below 2^48 and a service caps the work far lower)."""
+    qc = torch.tensor(q_cu_seq_lens, dtype=torch.int64)
+    kc = torch.tensor(kv_cu_seq_lens, dtype=torch.int64)
+    sq, sk = qc[1:] - qc[:-1], kc[1:] - kc[:-1]
+    if not causal:
+        return int((sq * sk).sum())
+    seen = torch.minimum(sq, sk)
+    return int((seen * (sk - seen) + seen * (seen + 1) // 2).sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +117,11 @@ class RaggedBatch:
 
     def work(self) -> int:
         """Multiply-adds of the score matmul, `H * Dqk * sum(Sq * Sk)`, about halved for causal."""
-        pairs = sum(visible_pairs(sq, sk, self.causal) for sq, sk in self.seq_lens())
-        return self.num_heads * self.qk_head_dim * pairs
+        return (
+            self.num_heads
+            * self.qk_head_dim
+            * total_visible_pairs(self.q_cu_seq_lens, self.kv_cu_seq_lens, self.causal)
+        )
 
 
 def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
@@ -113,7 +138,22 @@ def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()  # kernels read rows with unit stride
 
 
-def _check_cu_seq_lens(name: str, cu: object, total: int, total_name: str) -> tuple[int, ...]:
+def check_num_seqs(name: str, entries: int, max_seqs: int | None) -> None:
+    """`entries` offsets (B + 1) of a cu_seq_lens tensor are within the cap of `max_seqs`
+    sequences: checked before anything is read per sequence."""
+    if max_seqs is not None and entries - 1 > max_seqs:
+        raise InvalidInputError(
+            name,
+            f"at most {max_seqs} sequences (B + 1 <= {max_seqs + 1} offsets; the service's "
+            "max_seqs)",
+            f"{entries} offsets",
+            "Split the batch into smaller requests",
+        )
+
+
+def _check_cu_seq_lens(
+    name: str, cu: object, total: int, total_name: str, max_seqs: int | None
+) -> tuple[int, ...]:
     if not isinstance(cu, torch.Tensor):
         raise InvalidInputError(name, "a torch.Tensor [B + 1]", type(cu).__name__)
     if cu.ndim != 1 or cu.numel() < 1:
@@ -122,24 +162,26 @@ def _check_cu_seq_lens(name: str, cu: object, total: int, total_name: str) -> tu
         )
     if cu.dtype not in _INDEX_DTYPES:
         raise InvalidInputError(name, "dtype int32 or int64", str(cu.dtype))
-    offsets = tuple(int(x) for x in cu.tolist())
-    if offsets[0] != 0:
-        raise InvalidInputError(name, f"{name}[0] == 0", f"{name}[0] == {offsets[0]}")
-    for i in range(1, len(offsets)):
-        if offsets[i] < offsets[i - 1]:
-            raise InvalidInputError(
-                name,
-                "non-decreasing offsets",
-                f"{name}[{i}] = {offsets[i]} < {name}[{i - 1}] = {offsets[i - 1]}",
-            )
-    if offsets[-1] != total:
+    check_num_seqs(name, cu.numel(), max_seqs)
+    c = cu.to(torch.int64)  # one pass in torch, not a Python loop per sequence
+    if int(c[0]) != 0:
+        raise InvalidInputError(name, f"{name}[0] == 0", f"{name}[0] == {int(c[0])}")
+    falls = torch.nonzero(c[1:] < c[:-1])
+    if falls.numel():
+        i = int(falls[0, 0]) + 1
+        raise InvalidInputError(
+            name,
+            "non-decreasing offsets",
+            f"{name}[{i}] = {int(c[i])} < {name}[{i - 1}] = {int(c[i - 1])}",
+        )
+    if int(c[-1]) != total:
         raise InvalidInputError(
             name,
             f"{name}[-1] == {total_name} = {total}",
-            f"{name}[-1] = {offsets[-1]}",
+            f"{name}[-1] = {int(c[-1])}",
             "The last offset is the total token count of the ragged tensor",
         )
-    return offsets
+    return tuple(c.tolist())
 
 
 def validate(
@@ -151,8 +193,10 @@ def validate(
     *,
     causal: bool,
     scale: float | None,
+    max_seqs: int | None = None,
 ) -> RaggedBatch:
-    """Check every rule of the contract; raise `InvalidInputError` naming the first one broken."""
+    """Check every rule of the contract; raise `InvalidInputError` naming the first one broken.
+    `max_seqs` caps the sequences of the batch (a service's limit; None: no cap)."""
     q = _check_tensor("q", q, "[Tq, H, Dqk]")
     k = _check_tensor("k", k, "[Tk, H, Dqk]")
     v = _check_tensor("v", v, "[Tk, H, Dv]")
@@ -173,7 +217,7 @@ def validate(
         )
     if not 1 <= v.shape[2] <= dqk:
         raise InvalidInputError("v", f"head dim 1 <= Dv <= Dqk = {dqk}", f"Dv = {v.shape[2]}")
-    q_cu = _check_cu_seq_lens("q_cu_seq_lens", q_cu_seq_lens, tq, "Tq")
+    q_cu = _check_cu_seq_lens("q_cu_seq_lens", q_cu_seq_lens, tq, "Tq", max_seqs)
     if kv_cu_seq_lens is None:
         if k.shape[0] != tq:
             raise InvalidInputError(
@@ -183,7 +227,9 @@ def validate(
             )
         kv_cu = q_cu
     else:
-        kv_cu = _check_cu_seq_lens("kv_cu_seq_lens", kv_cu_seq_lens, int(k.shape[0]), "Tk")
+        kv_cu = _check_cu_seq_lens(
+            "kv_cu_seq_lens", kv_cu_seq_lens, int(k.shape[0]), "Tk", max_seqs
+        )
         if len(kv_cu) != len(q_cu):
             raise InvalidInputError(
                 "kv_cu_seq_lens",

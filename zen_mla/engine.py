@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
-from ._ragged import RaggedBatch, validate
+from ._ragged import RaggedBatch, check_num_seqs, validate
 from ._status import zentorch_status
 from .kernels import KernelChoice, select_kernel
 from .pool import Outputs, PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
@@ -36,10 +36,11 @@ REQUIRED_TENSORS = ("q", "k", "v", "q_cu_seq_lens")
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """pool: the worker processes; max_work: cap on a request's `work` (H * Dqk * visible
-    query-key pairs), None for none."""
+    query-key pairs), None for none; max_seqs: cap on its sequences (B), None for none."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     max_work: int | None = None
+    max_seqs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +174,11 @@ class PrefillEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def buffer(self, nbytes: int) -> SharedBuffer:
+    def buffer(self, nbytes: int, prefault: bool = True) -> SharedBuffer:
         """Shared memory to fill (a request body, say); tensors viewing it that are passed to
-        `submit(..., inputs=buf)` are read in place by the workers."""
-        return self._pool.buffer(nbytes)
+        `run(..., inputs=buf)` are read in place by the workers. `prefault=False` leaves its
+        pages to `buf.fault_in()` as it fills, so that it holds only the memory written."""
+        return self._pool.buffer(nbytes, prefault)
 
     def release(self, buf: SharedBuffer) -> None:
         """Hand a buffer from `buffer()` back for reuse."""
@@ -203,7 +205,16 @@ class PrefillEngine:
         """Validate a ragged batch, apply the work cap and pick its kernels, without queueing
         it; arguments, shapes and errors as `zen_mla.ragged_attention`, plus WorkTooLargeError
         over the cap."""
-        batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
+        batch = validate(
+            q,
+            k,
+            v,
+            q_cu_seq_lens,
+            kv_cu_seq_lens,
+            causal=causal,
+            scale=scale,
+            max_seqs=self.config.max_seqs,
+        )
         work = batch.work()
         if self.config.max_work is not None and work > self.config.max_work:
             raise WorkTooLargeError(
@@ -214,6 +225,11 @@ class PrefillEngine:
             )
         chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
         return PrefillRequest(batch, KernelChoice(chosen.name, chosen.name if return_lse else None))
+
+    def check_num_seqs(self, name: str, entries: int) -> None:
+        """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError
+        naming it otherwise), for a caller that must check before reading it."""
+        check_num_seqs(name, entries, self.config.max_seqs)
 
     def prepare_tensors(
         self,

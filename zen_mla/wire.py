@@ -24,10 +24,13 @@ from ._errors import InvalidInputError, WireFormatError
 from ._ragged import RaggedBatch, validate
 
 __all__ = [
+    "MAX_DIM",
     "MAX_HEADER_BYTES",
+    "MAX_REQUEST_ID",
     "REQUEST_TENSORS",
     "RESPONSE_TENSORS",
     "PrefillOptions",
+    "check_request_id",
     "decode",
     "encode",
     "header_length",
@@ -41,6 +44,8 @@ MAX_HEADER_BYTES = 64 << 10
 MAX_METADATA_VALUE = 256
 REQUEST_TENSORS = frozenset({"q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"})
 RESPONSE_TENSORS = frozenset({"out", "lse"})
+MAX_DIM = 1 << 48  # a dimension's cap, whatever the wire: well past memory, far below 2^63
+MAX_REQUEST_ID = 128  # characters of a request id (echoed and logged)
 REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
 
 DTYPES: dict[str, torch.dtype] = {
@@ -104,7 +109,7 @@ def _entry(name: str, raw: object, data_bytes: int) -> _Entry:
     if (
         not isinstance(shape, list)
         or len(shape) > 8
-        or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape)
+        or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
     ):
         raise WireFormatError(
             name, "a shape of at most 8 dims, each 0 <= d < 2^48", repr(shape)[:80]
@@ -194,6 +199,16 @@ def _flag(meta: Mapping[str, str], key: str, default: bool) -> bool:
     raise InvalidInputError(f"__metadata__.{key}", '"true" or "false"', repr(value))
 
 
+def check_request_id(name: str, request_id: str | None) -> None:
+    """A request id is echoed and logged: at most MAX_REQUEST_ID printable characters."""
+    if request_id is not None and not (
+        len(request_id) <= MAX_REQUEST_ID and request_id.isprintable()
+    ):
+        raise InvalidInputError(
+            name, f"<= {MAX_REQUEST_ID} printable characters", f"{len(request_id)} characters"
+        )
+
+
 def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
     """The request's `__metadata__` as options; unknown keys are errors (typos fail loudly)."""
     extra = set(meta) - REQUEST_METADATA
@@ -210,8 +225,7 @@ def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
                 "__metadata__.scale", "a decimal number", repr(meta["scale"])
             ) from None
     request_id = meta.get("request_id")
-    if request_id is not None and not (len(request_id) <= 128 and request_id.isprintable()):
-        raise InvalidInputError("__metadata__.request_id", "<= 128 printable characters", "other")
+    check_request_id("__metadata__.request_id", request_id)
     return PrefillOptions(
         causal=_flag(meta, "causal", True),
         return_lse=_flag(meta, "return_lse", False),

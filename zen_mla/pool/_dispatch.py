@@ -202,6 +202,10 @@ class Dispatcher:
             self._lost(task, self)
             return True
         with self.lock:
+            # Checked and set under the one lock `cancel()` takes: a cancel either comes
+            # before (the job is done: skipped) or finds the task current (the worker stopped).
+            if task.job.done():
+                return True
             self.current = task  # left set if _run_on raises: _loop fails it
         outcome = self._run_on(self.proc, task)
         with self.lock:

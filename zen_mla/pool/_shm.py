@@ -35,9 +35,10 @@ class SharedBuffer:
     """`nbytes` of memory another process can map: an anonymous memfd, mapped here.
 
     `tensor(offset, shape, dtype)` gives views of it; `bytes_view` a writable memoryview (for
-    reading a socket straight into it). A buffer of the pool's own is pre-faulted (`populate`);
-    one adopted from a client (`adopt()`) is not: its pages are the client's, faulted in as
-    they are used.
+    reading a socket straight into it). A buffer of the pool's own is pre-faulted (`populate`)
+    unless made with `prefault=False`, which leaves it to `fault_in()` as it is filled (a body
+    whose bytes have not come yet then holds no memory); one adopted from a client (`adopt()`)
+    is not: its pages are the client's, faulted in as they are used.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class SharedBuffer:
         nbytes: int,
         on_free: Callable[[int], None] | None = None,
         *,
+        prefault: bool = True,
         _fd: int | None = None,
     ) -> None:
         self.id = next(_ids)
@@ -60,8 +62,9 @@ class SharedBuffer:
             raise
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.base = self._bytes.data_ptr()
-        if self.populate:
-            _prefault(self.base, max(nbytes, 1))
+        self.faulted = 0  # bytes from the start known to be faulted in
+        if self.populate and prefault:
+            self.fault_in(nbytes)
         weakref.finalize(self, _free, self.fd, self.id, on_free)
 
     @classmethod
@@ -71,6 +74,16 @@ class SharedBuffer:
         """A buffer over a memfd someone else made (`fd` is the buffer's from now on); the
         caller has checked that it cannot shrink below `nbytes`."""
         return cls(nbytes, on_free, _fd=fd)
+
+    def fault_in(self, upto: int) -> None:
+        """Fault the pages of bytes `[faulted, upto)` in now, in one go (a buffer of the pool's
+        own; an adopted one is the client's memory and never faulted in here)."""
+        upto = min(upto, max(self.nbytes, 1))
+        if self.populate and upto > self.faulted:
+            page = mmap.PAGESIZE
+            start = self.faulted // page * page
+            _prefault(self.base + start, upto - start)
+            self.faulted = upto
 
     @property
     def bytes_view(self) -> memoryview:
@@ -141,7 +154,9 @@ class BufferCache:
         self._free: list[SharedBuffer] = []
         self._lock = threading.Lock()
 
-    def get(self, nbytes: int) -> SharedBuffer:
+    def get(self, nbytes: int, prefault: bool = True) -> SharedBuffer:
+        """A buffer of at least `nbytes`: a released one that fits (its pages faulted in
+        already), else a new one (faulted in unless `prefault` is False)."""
         with self._lock:
             fits = [b for b in self._free if nbytes <= b.nbytes <= 2 * nbytes + (1 << 20)]
             if fits:
@@ -149,7 +164,7 @@ class BufferCache:
                 self._free.remove(best)
                 return best
         try:
-            return SharedBuffer(nbytes, self._on_free)
+            return SharedBuffer(nbytes, self._on_free, prefault=prefault)
         except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory (ENOMEM)
             raise ServiceUnavailableError(
                 f"no shared memory for {nbytes} bytes: {exc.strerror or exc}", retry_after=1.0

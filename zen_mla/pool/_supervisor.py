@@ -168,10 +168,11 @@ class WorkerPool:
 
     # -- submission --------------------------------------------------------------------------
 
-    def buffer(self, nbytes: int) -> SharedBuffer:
+    def buffer(self, nbytes: int, prefault: bool = True) -> SharedBuffer:
         """Shared memory to fill (a request body, say) whose tensors `submit(inputs=)` reads in
-        place; ServiceUnavailableError (try again) when out of descriptors or memory."""
-        return self._cache.get(nbytes)
+        place (`prefault=False`: its pages are left to `fault_in()` as it fills);
+        ServiceUnavailableError (try again) when out of descriptors or memory."""
+        return self._cache.get(nbytes, prefault)
 
     def adopt(self, fd: int, nbytes: int) -> SharedBuffer:
         """A buffer over a client's memfd (`fd` is the buffer's from now on, and must not shrink
