@@ -30,8 +30,8 @@ def key() -> Iterator[str]:
                 os.unlink(p)
 
 
-def registry(max_regions: int = 4) -> SystemShmRegistry:
-    return SystemShmRegistry(max_regions=max_regions, adopt=SharedBuffer.adopt)
+def registry(max_regions: int = 4, max_bytes: int = 1 << 30) -> SystemShmRegistry:
+    return SystemShmRegistry(max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt)
 
 
 @pytest.mark.parametrize(
@@ -115,3 +115,19 @@ def test_reads_and_writes_go_through_the_descriptor_and_a_shrink_is_an_error(key
         region.read("q_cu_seq_lens", 1000, 12)  # pread reads short: no SIGBUS here
     region.write(8000, memoryview(b"x" * 16))  # pwrite grows it back rather than faulting
     assert os.stat(SHM_DIR + key).st_size == 4096 + 8016
+
+
+def test_a_sparse_object_past_the_byte_cap_or_the_address_space_is_a_4xx(key):
+    """A sparse object costs its owner nothing: registering 2^50 bytes of one is refused by the
+    byte cap, and one the cap allows but no mapping can hold is refused the same way (422),
+    never a 500."""
+    os.truncate(SHM_DIR + key, 1 << 50)  # sparse: no memory
+    with pytest.raises(InvalidInputError, match="byte_size"):
+        registry().register("huge", key, 0, 1 << 50)
+    with pytest.raises(InvalidInputError, match=r"byte_size.*map"):
+        registry(max_bytes=1 << 62).register("huge", key, 0, 1 << 50)
+    small = registry(max_regions=8, max_bytes=3 << 20)
+    for i in range(3):
+        small.register(f"r{i}", key, 0, 1 << 20)
+    with pytest.raises(InvalidInputError, match=r"3145728 mapped"):
+        small.register("r3", key, 0, 1 << 20)

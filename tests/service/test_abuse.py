@@ -4,7 +4,6 @@ keeps the service from others, and every refusal arrives as a readable problem+j
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -14,81 +13,22 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import pytest
 
 from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
+from tests.service.raw import (
+    MIB,
+    address,
+    assert_problem,
+    prefill_head,
+    read_answer,
+    rss,
+    send_quietly,
+    wait_for,
+)
 from tests.service.servers import ROOT, Server, serve
-
-MIB = 1 << 20
-
-
-def address(server: Server) -> tuple[str, int]:
-    url = urlparse(server.url)
-    assert url.hostname is not None and url.port is not None
-    return url.hostname, url.port
-
-
-def prefill_head(n: int, extra: bytes = b"") -> bytes:
-    return (
-        b"POST /prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
-        + f"Content-Length: {n}\r\n".encode()
-        + extra
-        + b"\r\n"
-    )
-
-
-def read_answer(s: socket.socket, seconds: float) -> bytes:
-    """What the server sends until it closes the connection, or for at most `seconds`."""
-    s.settimeout(0.1)
-    data = b""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            part = s.recv(65536)
-        except TimeoutError:
-            continue
-        if not part:
-            break
-        data += part
-    return data
-
-
-def status(raw: bytes) -> int:
-    assert raw.startswith(b"HTTP/1.1 "), raw[:200]
-    return int(raw.split(b" ", 2)[1])
-
-
-def assert_problem(raw: bytes, code: int) -> dict:
-    assert status(raw) == code, raw[:300]
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert b"content-type: application/problem+json" in head.lower(), head
-    problem = json.loads(body)
-    assert problem["status"] == code and problem["detail"], problem
-    return problem
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def wait_for(predicate, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, what
-        time.sleep(0.05)
-
-
-def send_quietly(s: socket.socket, data: bytes) -> None:
-    """sendall, where the server may close before taking everything (it answered already)."""
-    with contextlib.suppress(OSError):
-        s.sendall(data)
-
 
 # -- one server per parser: header cap, header timeout, connection cap, early answers ---------
 
@@ -167,18 +107,21 @@ def test_idle_and_slowloris_connections_get_408_and_are_closed(guarded):
 
 
 @pytest.mark.slow
-def test_connections_over_the_cap_get_503(guarded):
+def test_connections_over_the_cap_displace_the_idle_one(guarded):
+    """At the cap, a new connection takes the place of the one idle longest (408, closed)."""
     cap = LIMITS["max_connections"]
     held = [socket.create_connection(address(guarded), timeout=10) for _ in range(cap)]
     try:
+        time.sleep(0.2)
         with socket.create_connection(address(guarded), timeout=10) as extra:
             t0 = time.monotonic()
             extra.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = read_answer(extra, 5)
+            answer = extra.recv(65536)
             waited = time.monotonic() - t0
-        problem = assert_problem(answer, 503)
-        assert "connections" in problem["detail"]
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
         assert waited < 1
+        problem = assert_problem(read_answer(held[0], 5), 408)
+        assert "connection cap" in problem["detail"]
     finally:
         for s in held:
             s.close()
@@ -254,22 +197,24 @@ def test_slow_uploads_do_not_lock_out_others(tmp_path):
 
 @pytest.mark.slow
 def test_announced_bytes_that_do_not_come_commit_no_memory(tmp_path):
-    """Four 1 GiB announcements with a 3 GiB budget: three are admitted and hold no memory,
-    the fourth is a 429 at once; the event loop stays responsive; the three get 408."""
+    """Four 1 GiB announcements with a 3 GiB budget: all are admitted (the budget holds bytes
+    that came, not bytes announced) and hold no memory; the event loop stays responsive; a
+    legitimate request is served beside them; the four get 408."""
     grace = 4.0
     with serve(
         tmp_path, workers=1, max_body_bytes=1 << 30, max_inflight_bytes=3 << 30, body_grace_s=grace
     ) as server:
         pid = server.process.pid
         before = rss(pid)
-        socks = [socket.create_connection(address(server), timeout=10) for _ in range(3)]
+        socks = [socket.create_connection(address(server), timeout=10) for _ in range(4)]
         try:
             for s in socks:
                 s.sendall(prefill_head(1 << 30) + bytes(1000))
-            wait_for(lambda: server.health()["inflight"] == 3, 10, "three admitted")
-            with socket.create_connection(address(server), timeout=10) as fourth:
-                fourth.sendall(prefill_head(1 << 30))
-                assert "budget" in assert_problem(read_answer(fourth, 5), 429)["detail"]
+            wait_for(lambda: server.health()["inflight"] == 4, 10, "four admitted")
+            assert server.health()["inflight_bytes"] < 4 * (17 << 20)  # a window each
+            with server.client() as c:
+                r = c.post("/prefill", content=body_of(good_tensors()), headers=OCTET)
+            assert r.status_code == 200, r.text
             t0 = time.monotonic()
             server.health()
             health_s = time.monotonic() - t0
@@ -337,7 +282,8 @@ def test_health_is_503_while_no_worker_is_alive(tmp_path):
 @pytest.mark.slow
 def test_fd_limit_is_raised_and_connections_stop_short_of_it(tmp_path):
     """Soft 200, hard 400: the server raises its soft limit to 400 and, keeping 250 for the
-    pool, takes 150 connections; the next ones get 503 and the pool still works."""
+    pool, holds 150 connections at most: each one past them takes the place of the one idle
+    longest (which gets 408) or gets 503, and the pool still works."""
     with serve(tmp_path, workers=1, fd_reserve=250, nofile=(200, 400)) as server:
         limits = Path(f"/proc/{server.process.pid}/limits").read_text()
         soft, hard = next(
@@ -350,14 +296,15 @@ def test_fd_limit_is_raised_and_connections_stop_short_of_it(tmp_path):
             for _ in range(200):
                 s = socket.create_connection(address(server), timeout=10)
                 held.append(s)
+            time.sleep(0.5)
             for s in held:
                 s.settimeout(0.01)
-                with contextlib.suppress(TimeoutError):
-                    refused += s.recv(12).startswith(b"HTTP/1.1 503")
+                with contextlib.suppress(TimeoutError, ConnectionError):
+                    refused += s.recv(12)[:12] in (b"HTTP/1.1 503", b"HTTP/1.1 408")
         finally:
             for s in held:
                 s.close()
-        assert refused >= 50, refused
+        assert refused >= 50, refused  # 200 made, 150 held at most
         wait_for(lambda: server.health()["status"] == "ok", 10, "healthy")
         with server.client() as c:
             r = c.post("/prefill", content=body_of(good_tensors()), headers=OCTET)

@@ -1,0 +1,484 @@
+"""One door for every body (CONTRACT.md, "Abuse"), attacked on real servers as a slow, silent or
+lying client would: while any one attack runs, a legitimate request is answered correctly within
+15 s. Each attack here got the better of an earlier service (issue 18's numbered defects)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import torch
+
+from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
+from tests.service.raw import (
+    MIB,
+    address,
+    assert_problem,
+    prefill_head,
+    read_answer,
+    wait_for,
+)
+from tests.service.servers import Server, serve
+from zen_mla import region_request
+
+LOCKOUT_S = 15.0  # the contract's bound on a legitimate request's wait during an attack
+
+
+def legitimate(server: Server) -> float:
+    """Seconds a correct /prefill took, retrying 429/503 as a client would, within LOCKOUT_S;
+    the answer is checked (a 200 whose `out` has the right shape)."""
+    tensors = good_tensors()
+    body = body_of(tensors)
+    t0 = time.monotonic()
+    last = None
+    while time.monotonic() - t0 < LOCKOUT_S:
+        with server.client() as c:
+            try:
+                last = c.post("/prefill", content=body, headers=OCTET, timeout=LOCKOUT_S)
+            except httpx.TransportError as exc:
+                last = exc
+                time.sleep(0.2)
+                continue
+        if last.status_code == 200:
+            assert len(last.content) > tensors["q"].shape[0] * 128
+            return time.monotonic() - t0
+        assert last.status_code in (429, 503), last.text
+        time.sleep(0.2)
+    raise AssertionError(f"locked out for {LOCKOUT_S} s: {last!r}")
+
+
+def during(attack: Callable[[threading.Event], None], server: Server, settle_s: float) -> list:
+    """Legitimate requests' latencies (s), one every 0.5 s for a few seconds, while `attack`
+    runs in a thread (it stops when the event is set)."""
+    stop = threading.Event()
+    t = threading.Thread(target=attack, args=(stop,), daemon=True)
+    t.start()
+    try:
+        time.sleep(settle_s)
+        waits = []
+        for _ in range(4):
+            waits.append(legitimate(server))
+            time.sleep(0.5)
+        # the README's robustness table quotes these (pytest -s shows them)
+        print(
+            f"\n{os.environ.get('PYTEST_CURRENT_TEST', '?')}: legitimate request waited",
+            ", ".join(f"{w * 1e3:.0f} ms" for w in waits),
+        )
+        return waits
+    finally:
+        stop.set()
+        t.join(30)
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Small limits, so that attacks fill them quickly: 4 upload slots, a 1 s grace."""
+    with serve(
+        tmp_path_factory.mktemp("door"),
+        workers=1,
+        max_uploads=4,
+        body_grace_s=1.0,
+        max_body_bytes=256 * MIB,
+        max_inflight_bytes=256 * MIB,
+        system_shm=True,
+        max_seqs=1024,
+    ) as s:
+        yield s
+
+
+def silent_heads(server: Server, head: bytes, n: int, stop: threading.Event) -> None:
+    """`n` connections that send `head` (announcing a body) and then nothing, reconnecting
+    whenever the server closes one, until `stop`."""
+    socks: list[socket.socket | None] = [None] * n
+    try:
+        while not stop.is_set():
+            for i in range(n):
+                s = socks[i]
+                if s is not None:
+                    s.settimeout(0)
+                    try:
+                        if s.recv(65536) == b"":
+                            raise ConnectionError
+                        continue  # answered: read on until it closes
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        s.close()
+                try:
+                    s = socket.create_connection(address(server), timeout=5)
+                    s.sendall(head)
+                    socks[i] = s
+                except OSError:
+                    socks[i] = None
+            stop.wait(0.1)
+    finally:
+        for s in socks:
+            if s is not None:
+                s.close()
+
+
+def refusal(raw: bytes, code: int) -> str:
+    """The message of a refusal in either form: problem+json (/prefill) or {"error"} (/v2)."""
+    if b"application/problem+json" in raw.partition(b"\r\n\r\n")[0].lower():
+        return str(assert_problem(raw, code)["detail"])
+    assert raw.startswith(f"HTTP/1.1 {code} ".encode()), raw[:300]
+    return str(json.loads(raw.partition(b"\r\n\r\n")[2])["error"])
+
+
+# -- 1, 5: every media type's body through the one reader --------------------------------------
+
+
+def regions_head(n: int) -> bytes:
+    return (
+        b"POST /prefill HTTP/1.1\r\nHost: x\r\n"
+        + f"Content-Type: {region_request.MEDIA_TYPE}\r\nContent-Length: {n}\r\n\r\n".encode()
+    )
+
+
+def register_head(n: int) -> bytes:
+    return (
+        b"POST /v2/systemsharedmemory/region/r/register HTTP/1.1\r\nHost: x\r\n"
+        + f"Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n".encode()
+    )
+
+
+@pytest.mark.parametrize("head", [regions_head, register_head], ids=["regions", "register"])
+def test_a_silent_body_of_any_media_type_is_cut_off_with_408(door, head):
+    """Defects 1 and 5: a regions JSON or a registration body that never comes held an upload
+    slot (and /health) forever; now it is cut off as any slow body is."""
+    with socket.create_connection(address(door), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(head(1000))
+        answer = read_answer(s, 10)
+        lived = time.monotonic() - t0
+    assert "bytes/s" in refusal(answer, 408)
+    assert lived < 5, lived
+
+
+@pytest.mark.parametrize("head", [regions_head, register_head], ids=["regions", "register"])
+def test_silent_bodies_do_not_lock_others_out(door, head):
+    waits = during(lambda stop: silent_heads(door, head(1000), 32, stop), door, 1.5)
+    assert max(waits) < LOCKOUT_S, waits
+    wait_for(lambda: door.health()["uploads"] == 0, 10, "the silent uploads cut off")
+
+
+# -- 4: bytes announced, or sent just above the minimum rate ---------------------------------
+
+
+def trickle(server: Server, announce: int, n: int, rate: float, stop: threading.Event) -> None:
+    """`n` uploads announcing `announce` bytes each, sent at `rate` bytes/s (above the 1 MB/s
+    minimum), reconnecting whenever the server cuts one off, until `stop`."""
+    socks: list[tuple[socket.socket, float, int] | None] = [None] * n
+    step = 0.05
+    try:
+        while not stop.is_set():
+            for i in range(n):
+                entry = socks[i]
+                if entry is None:
+                    try:
+                        s = socket.create_connection(address(server), timeout=5)
+                        s.sendall(prefill_head(announce))
+                        entry = socks[i] = (s, time.monotonic(), 0)
+                    except OSError:
+                        continue
+                s, t0, sent = entry
+                due = int((time.monotonic() - t0) * rate) - sent
+                try:
+                    s.setblocking(False)
+                    if s.recv(1 << 16, socket.MSG_PEEK):
+                        raise ConnectionError  # answered (408, 429): start again
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    socks[i] = None
+                    continue
+                try:
+                    s.setblocking(True)
+                    s.settimeout(1)
+                    if due > 0:
+                        s.sendall(bytes(due))
+                        socks[i] = (s, t0, sent + due)
+                except OSError:
+                    s.close()
+                    socks[i] = None
+            stop.wait(step)
+    finally:
+        for entry in socks:
+            if entry is not None:
+                entry[0].close()
+
+
+def test_announced_gigabytes_sent_slowly_do_not_starve_the_budget(door):
+    """Defect 4: four uploads announcing 200 MiB each against a 256 MiB budget, sent at
+    1.1 MB/s: the announced sizes took the whole budget (every other request 429 for the
+    deadline). Now the budget holds what came (a window ahead of it), so others are served."""
+    waits = during(lambda stop: trickle(door, 200 * MIB, 3, 1.1e6, stop), door, 1.5)
+    assert max(waits) < LOCKOUT_S, waits
+
+
+def test_upload_slots_taken_by_slow_uploads_are_given_to_faster_ones(door):
+    """Defect 4 (slots): uploads just above the minimum rate filled every upload slot (4 here,
+    32 by default) until they ended. Now a new upload takes the slot of the slowest one past
+    its grace, which is cut off with 408."""
+    waits = during(lambda stop: trickle(door, 64 * MIB, 4, 1.1e6, stop), door, 2.0)
+    assert max(waits) < LOCKOUT_S, waits
+    metrics = httpx.get(door.url + "/metrics").text
+    assert 'zen_mla_requests_total{route="prefill",status="408"}' in metrics
+
+
+# -- 2: counts a client controls ----------------------------------------------------------------
+
+
+def test_too_many_sequences_is_a_422_naming_the_cap_before_any_work(door):
+    """Defect 2: 16M empty sequences in one valid request blocked the event loop for 10-14 s.
+    Now the sequence count is capped (max_seqs) before anything is read per sequence."""
+    t = good_tensors()
+    n = 200_000
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[-1] = t["q"].shape[0]
+    body = body_of(t | {"q_cu_seq_lens": cu})
+    with door.client() as c:
+        t0 = time.monotonic()
+        r = c.post("/prefill", content=body, headers=OCTET)
+        took = time.monotonic() - t0
+    assert r.status_code == 422, r.text
+    problem = r.json()
+    assert problem["tensor"] == "q_cu_seq_lens" and "1024 sequences" in problem["expected"]
+    assert problem["hint"] == "Split the batch into smaller requests"
+    assert took < 2, took
+
+
+def test_health_answers_within_100_ms_during_a_request_at_the_sequence_cap(door):
+    """The largest request the cap allows (1024 one-token sequences here) does its per-sequence
+    work vectorised or off the event loop: /health stays prompt meanwhile."""
+    n = 1024
+    q = torch.randn(n, 4, 64).bfloat16()
+    body = body_of({"q": q, "k": q, "v": q, "q_cu_seq_lens": torch.arange(n + 1)})
+    done = threading.Event()
+    slowest = [0.0]
+
+    def poll() -> None:
+        with httpx.Client(base_url=door.url) as c:
+            while not done.is_set():
+                t0 = time.monotonic()
+                c.get("/health/live")
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for _ in range(3):
+            with door.client() as c:
+                assert c.post("/prefill", content=body, headers=OCTET).status_code == 200
+    finally:
+        done.set()
+        poller.join(10)
+    assert slowest[0] < 0.1, f"/health/live took {slowest[0] * 1e3:.0f} ms"
+
+
+# -- 7: the connection cap ----------------------------------------------------------------------
+
+
+def test_a_flood_of_idle_connections_does_not_keep_clients_out(tmp_path):
+    """Defect 7: one process holding more idle sockets than the cap, reopening them as they
+    close, kept every legitimate client out (0/20). At the cap a new connection now takes the
+    place of the one idle longest."""
+    cap = 16
+    with serve(tmp_path, workers=1, max_connections=cap) as server:
+
+        def flood(stop: threading.Event) -> None:
+            socks: list[socket.socket] = []
+            try:
+                while not stop.is_set():
+                    socks = [s for s in socks if s.fileno() >= 0]
+                    for s in list(socks):
+                        s.setblocking(False)
+                        try:
+                            if s.recv(4096, socket.MSG_PEEK) is not None:
+                                s.close()  # answered or closed: reopen
+                        except BlockingIOError:
+                            pass
+                        except OSError:
+                            s.close()
+                    socks = [s for s in socks if s.fileno() >= 0]
+                    while len(socks) < cap + 8:
+                        try:
+                            socks.append(socket.create_connection(address(server), timeout=2))
+                        except OSError:
+                            break
+                    stop.wait(0.02)
+            finally:
+                for s in socks:
+                    s.close()
+
+        stop = threading.Event()
+        t = threading.Thread(target=flood, args=(stop,), daemon=True)
+        t.start()
+        try:
+            time.sleep(1.0)
+            served, waits = 0, []
+            for _ in range(20):
+                t0 = time.monotonic()
+                with httpx.Client(timeout=LOCKOUT_S) as c:
+                    r = c.get(server.url + "/health/live")
+                waits.append(time.monotonic() - t0)
+                served += r.status_code == 200
+        finally:
+            stop.set()
+            t.join(10)
+        print(f"\nconnection flood: {served}/20 served, slowest {max(waits) * 1e3:.0f} ms")
+        assert served == 20
+
+
+def test_at_the_cap_connections_with_a_request_in_flight_are_kept(tmp_path):
+    """The connections a new one may displace are those without a request in flight: with
+    every connection uploading, the next is refused (503), not anyone's request."""
+    cap = 4
+    with serve(tmp_path, workers=1, max_connections=cap, body_grace_s=5.0) as server:
+        held = [socket.create_connection(address(server), timeout=10) for _ in range(cap)]
+        try:
+            for s in held:
+                s.sendall(prefill_head(8 * MIB) + bytes(1000))
+            wait_for(lambda: True, 0, "")
+            time.sleep(0.3)
+            with socket.create_connection(address(server), timeout=10) as extra:
+                extra.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert "connections" in assert_problem(read_answer(extra, 5), 503)["detail"]
+        finally:
+            for s in held:
+                s.close()
+
+
+# -- 8: hang-ups -----------------------------------------------------------------------------
+
+
+def test_hanging_up_on_running_work_restarts_no_worker(tmp_path):
+    """Defect 8: a heavy request hung up 0.3 s in, over and over, restarted workers at will
+    and took a legitimate request from 0.02 s to 4-7 s. Started work now runs to its end (its
+    queue place held meanwhile); work not started is dropped."""
+    with serve(tmp_path, workers=1) as server:
+        body = body_of(slow_tensors(3000), {"kernel": "reference", "causal": "false"})
+        baseline = legitimate(server)
+        for _ in range(4):
+            with socket.create_connection(address(server), timeout=10) as s:
+                s.sendall(prefill_head(len(body)) + body)
+                time.sleep(0.3)
+        waits = [legitimate(server) for _ in range(3)]
+        print(
+            f"\nhang-ups: baseline {baseline * 1e3:.0f} ms, after", [round(w * 1e3) for w in waits]
+        )
+        workers = server.health()["workers"]
+        assert [w["restarts"] for w in workers] == [0], workers
+        # the heavy work (~0.4 s each on 2 cores) may still be running: never a restart
+        assert max(waits) < baseline + 10, (baseline, waits)
+        wait_for(lambda: server.health()["inflight"] == 0, 30, "the abandoned work ended")
+
+
+# -- 13, 14, 16, 17: the v2 request's counts and encodings --------------------------------
+
+
+def v2_json(inputs: list[dict], **extra: object) -> dict:
+    return {"inputs": inputs, **extra}
+
+
+def tensor(name: str, datatype: str, shape: list[int], data: list) -> dict:
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+INFER = "/v2/models/mla_prefill/infer"
+
+
+@pytest.mark.parametrize(
+    "value", [b"\xb2", b"9" * 5000, b"1" * 19], ids=["superscript-2", "5000-digits", "19-digits"]
+)
+def test_inference_header_length_that_is_not_a_byte_count_is_400(door, value):
+    """Defect 13: Latin-1 superscript digits or 5,000 digits were a 500."""
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": value}
+    with door.client() as c:
+        r = c.post(INFER, content=b"{}", headers=headers)
+    assert r.status_code == 400, r.text
+    assert "Inference-Header-Content-Length" in r.json()["error"]
+
+
+@pytest.mark.parametrize("dim", [1 << 63, 1 << 64, 1 << 48])
+def test_a_dimension_of_2_to_the_63_is_a_422(door, dim):
+    doc = v2_json(
+        [
+            tensor("q", "FP32", [0, dim, 4], []),
+            tensor("k", "FP32", [0, dim, 4], []),
+            tensor("v", "FP32", [0, dim, 4], []),
+            tensor("q_cu_seq_lens", "INT32", [1], [0]),
+        ]
+    )
+    with door.client() as c:
+        r = c.post(INFER, json=doc)
+    assert r.status_code == 422, r.text
+    assert "shape" in r.json()["error"]
+
+
+def test_json_outputs_never_carry_infinities(door):
+    """Defect 16: the LSE of a query that sees no key is -inf, which JSON cannot carry (the
+    answer held `-Infinity`): a 422 asking for binary output, and binary still works."""
+    q = [[[1.0, 0.0]], [[0.0, 1.0]]]  # [2, 1, 2]
+    inputs = [
+        tensor("q", "FP32", [2, 1, 2], q),
+        tensor("k", "FP32", [0, 1, 2], []),
+        tensor("v", "FP32", [0, 1, 2], []),
+        tensor("q_cu_seq_lens", "INT32", [2], [0, 2]),
+        tensor("kv_cu_seq_lens", "INT32", [2], [0, 0]),
+    ]
+    with door.client() as c:
+        r = c.post(INFER, json=v2_json(inputs, parameters={"return_lse": True}))
+        assert r.status_code == 422, r.text
+        assert "binary" in r.json()["error"]  # valid JSON, saying what to do
+        out_only = c.post(INFER, json=v2_json(inputs))
+        assert out_only.status_code == 200, out_only.text
+        answer = json.loads(out_only.text)  # strict JSON
+        assert answer["outputs"][0]["data"] == [0.0] * 4
+
+
+def test_a_v2_request_id_is_capped_as_prefill_caps_it(door):
+    """Defect 17: an 8 MiB `id` was echoed and logged."""
+    t = good_tensors()
+    doc = v2_json(
+        [
+            tensor("q", "FP32", [1, 1, 2], [[[1.0, 2.0]]]),
+            tensor("k", "FP32", [1, 1, 2], [[[1.0, 2.0]]]),
+            tensor("v", "FP32", [1, 1, 2], [[[1.0, 2.0]]]),
+            tensor("q_cu_seq_lens", "INT32", [2], [0, 1]),
+        ],
+        id="x" * (1 << 20),
+    )
+    del t
+    with door.client() as c:
+        r = c.post(INFER, json=doc)
+    assert r.status_code == 422, r.text[:300]
+    assert len(r.text) < 1000 and "id: expected <= 128" in r.json()["error"]
+    log = door.logs()
+    assert "x" * 1000 not in log
+
+
+# -- 22: lingering ------------------------------------------------------------------------------
+
+
+def test_an_early_413_reaches_a_client_that_sends_everything_before_reading(tmp_path):
+    """Defect 22: with the body limit lowered to 1 MiB, a client that writes its whole 32 MiB
+    body before reading (http.client, as many simple clients) got a broken pipe: lingering
+    stopped at the body limit. It now lingers by time, with a byte cap of its own."""
+    with serve(tmp_path, workers=1, max_body_bytes=MIB) as server:
+        host, port = address(server)
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/prefill", body=bytes(32 * MIB), headers=OCTET)
+        r = conn.getresponse()
+        assert r.status == 413
+        assert json.loads(r.read())["status"] == 413
+        conn.close()
