@@ -54,7 +54,7 @@ def make_inputs(spec: RefBatch, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def useful_flops(spec: RefBatch) -> float:
     """2 * H * (Dqk + Dv) per visible (query, key) pair: the work attention must do."""
-    from zen_mla._ragged import visible_pairs
+    from zen_mla.attention.batch import visible_pairs
 
     pairs = sum(
         visible_pairs(sq, sk, spec.causal) for sq, sk in zip(spec.q_lens, spec.kv_lens, strict=True)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import _common as c
 
 import zen_mla
-from zen_mla.merge import merge_attn_states, merge_many
+from zen_mla.attention.merge import merge_attn_states, merge_many
 from zen_mla.vllm import ContextKV, RemoteSettings, backend_class
 
 ROOT = Path(__file__).resolve().parent.parent

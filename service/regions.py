@@ -10,8 +10,8 @@ import torch
 from fastapi.responses import Response
 
 from zen_mla import InvalidInputError, region_request
+from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillEngine, PrefillRequest
-from zen_mla.kernels import KernelChoice
 from zen_mla.pool import Outputs, SharedBuffer
 from zen_mla.regions import RegionRegistry
 from zen_mla.wire import NAMES, REQUEST_TENSORS, PrefillOptions, parse_options

@@ -132,9 +132,9 @@ def test_last_dim_strided_inputs_are_accepted():
 
 def test_long_prefix_cached_request_is_masked_in_blocks(monkeypatch):
     """A mask over the memory budget is applied a block of queries at a time."""
-    from zen_mla import _attention
+    from zen_mla.attention import driver
 
-    monkeypatch.setattr(_attention, "MASK_BUDGET_BYTES", 64 * 2 * 7)  # 7 rows of 64 bf16 keys
+    monkeypatch.setattr(driver, "MASK_BUDGET_BYTES", 64 * 2 * 7)  # 7 rows of 64 bf16 keys
     q, k, v, q_cu, kv_cu = make_batch(BatchSpec([40], [64]), (2, 64, 32), torch.bfloat16)
     out = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, kernel="torch")
     ref, _ = attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=True, scale=64**-0.5)

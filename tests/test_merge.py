@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import zen_mla
 from tests.prefill_steps import STEP_SPECS, Step, StepSpec, make_step
 from tests.reference import assert_close_to_reference, attention_fp64
-from zen_mla.merge import merge_attn_states, merge_many
+from zen_mla.attention.merge import merge_attn_states, merge_many
 
 SCALE = 0.3
 INF = float("inf")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import zen_mla
-from zen_mla import _status
+from zen_mla.attention import select
+from zen_mla.attention.kernels.zentorch import zentorch_op
 
 
 def test_status_has_the_contract_fields():
@@ -27,9 +28,9 @@ def test_status_has_the_contract_fields():
 
 def test_cpu_facts_match_proc_cpuinfo():
     text = Path("/proc/cpuinfo").read_text()
-    facts = _status.cpu_facts()
-    assert f"vendor_id\t: {facts['vendor']}" in text
-    assert facts["avx512_bf16"] == (" avx512_bf16" in text)
+    facts = select.cpu_facts()
+    assert f"vendor_id\t: {facts.vendor}" in text
+    assert facts.avx512_bf16 == (" avx512_bf16" in text)
 
 
 @pytest.mark.zentorch
@@ -40,6 +41,6 @@ def test_probe_rejects_an_op_that_gives_wrong_numbers():
     def raising(*args, **kwargs):
         raise RuntimeError("Illegal instruction")
 
-    assert _status._probe(_status.zentorch_op()) == ""
-    assert "disagrees" in _status._probe(broken)
-    assert "raised on this CPU" in _status._probe(raising)
+    assert select.probe_op(zentorch_op()) == ""
+    assert "disagrees" in select.probe_op(broken)
+    assert "raised on this CPU" in select.probe_op(raising)

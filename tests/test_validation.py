@@ -97,11 +97,22 @@ def test_zero_tokens_and_zero_requests_are_valid():
 
 
 def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
-    from zen_mla import _status
+    import dataclasses
 
-    monkeypatch.setattr(
-        _status, "_zentorch_probe", lambda: (False, None, False, "zentorch is not installed")
+    from zen_mla.attention import select
+
+    absent = dataclasses.replace(
+        select.host_status(),
+        installed=False,
+        version=None,
+        sdpa_ok=False,
+        sdpa_lse_ok=False,
+        auto_kernel="torch",
+        reason="zentorch is not installed",
+        lse_kernel="torch",
+        lse_reason="zentorch is not installed",
     )
+    monkeypatch.setattr(select, "host_status", lambda: absent)
     assert zen_mla.zentorch_status()["auto_kernel"] == "torch"
     with pytest.raises(KernelUnavailableError, match="zentorch is not installed") as info:
         zen_mla.ragged_attention(**_good(), kernel="zentorch")

@@ -9,8 +9,8 @@ import torch
 import zen_mla
 from tests.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
-from zen_mla import _status
-from zen_mla.kernels import zentorch as zentorch_kernel
+from zen_mla.attention import select
+from zen_mla.attention.kernels import zentorch as zentorch_kernel
 
 pytestmark = pytest.mark.zentorch
 
@@ -30,7 +30,7 @@ def _batch(q_lens, kv_lens, heads=MLA, dtype=torch.bfloat16, seed=0):
 
 def test_the_probe_passes_here_and_auto_lse_runs_zentorch_on_zen():
     status = zen_mla.zentorch_status()
-    if _status._zentorch_lse_probe():
+    if not select.host_status().sdpa_lse_ok:
         pytest.skip(f"zentorch's LSE route failed its probe here: {status['lse_reason']}")
     assert status["ops"]["zentorch_sdpa_lse"]
     assert zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch"
@@ -55,7 +55,7 @@ def test_the_probe_rejects_the_ops_default_second_return(monkeypatch):
         return zentorch_kernel.zentorch_sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", default_call)
-    assert "disagrees with fp64" in _status._lse_probe()
+    assert "disagrees with fp64" in select.probe_lse()
 
 
 def test_the_probe_rejects_a_route_that_raises(monkeypatch):
@@ -63,7 +63,7 @@ def test_the_probe_rejects_a_route_that_raises(monkeypatch):
         raise RuntimeError("sdpa_flash_cpu: unsupported")
 
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", raising)
-    assert "raised" in _status._lse_probe()
+    assert "raised" in select.probe_lse()
 
 
 def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
@@ -74,11 +74,13 @@ def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
         return out, lse + 2e-3
 
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", off)
-    assert "disagrees with fp64" in _status._lse_probe()
+    assert "disagrees with fp64" in select.probe_lse()
 
 
 def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch):
-    monkeypatch.setattr(_status, "_zentorch_lse_probe", lambda: "the LSE was off by 3")
+    monkeypatch.setattr(select, "probe_lse", lambda: "the LSE was off by 3")
+    probed = select.probe_host()
+    monkeypatch.setattr(select, "host_status", lambda: probed)
     status = zen_mla.zentorch_status()
     assert not status["ops"]["zentorch_sdpa_lse"]
     assert status["lse_kernel"] == "torch"

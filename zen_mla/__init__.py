@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._errors import (
+from .errors import (
     BodyTooLargeError,
     DeadlineExceededError,
     ForbiddenError,
@@ -36,9 +36,7 @@ from ._errors import (
 )
 
 if TYPE_CHECKING:
-    from ._attention import ragged_attention
-    from ._status import zentorch_status
-    from .kernels import KernelChoice, kernel_choice
+    from .attention import KernelChoice, kernel_choice, ragged_attention, zentorch_status
 
 __all__ = [
     "BodyTooLargeError",
@@ -73,10 +71,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "KernelChoice": ".kernels",
-    "kernel_choice": ".kernels",
-    "ragged_attention": "._attention",
-    "zentorch_status": "._status",
+    "KernelChoice": ".attention",
+    "kernel_choice": ".attention",
+    "ragged_attention": ".attention",
+    "zentorch_status": ".attention",
 }
 
 

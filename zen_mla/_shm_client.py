@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from ._errors import (
+from ._memfd import create_sealed_memfd
+from ._region_wire import MAX_MESSAGE, send_frame
+from .errors import (
     BY_STATUS,
     DeadlineExceededError,
     InvalidInputError,
@@ -32,8 +34,6 @@ from ._errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ._memfd import create_sealed_memfd
-from ._region_wire import MAX_MESSAGE, send_frame
 from .region_request import TensorPlace
 from .wire import NAMES
 

@@ -42,8 +42,10 @@ import httpcore
 import httpx
 import torch
 
-from . import _errors, region_request, wire
-from ._errors import (
+from . import errors, region_request, wire
+from ._shm_client import Layout, RegionClient, RegionSet
+from .attention.batch import visible_pairs
+from .errors import (
     BY_STATUS,
     DeadlineExceededError,
     InvalidInputError,
@@ -53,8 +55,6 @@ from ._errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ._ragged import visible_pairs
-from ._shm_client import Layout, RegionClient, RegionSet
 
 __all__ = ["AsyncPrefillClient", "PrefillClient"]
 
@@ -306,13 +306,13 @@ def _json_object(body: bytes | bytearray) -> dict[str, Any] | None:
 
 
 def _error(status: int, body: bytes | bytearray, headers: httpx.Headers) -> ZenMLAError:
-    """The exception the service raised, from its problem+json (one table: `_errors`), its fix
+    """The exception the service raised, from its problem+json (one table: `errors`), its fix
     hint included; a body that is not a JSON object still gives the status's class."""
     problem = _json_object(body)
     if problem is None:
         problem = {"detail": bytes(body[:200]).decode("utf-8", "replace") or f"HTTP {status}"}
     name = str(problem.get("type", "")).rpartition(":")[2]
-    cls = getattr(_errors, name, None)
+    cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ZenMLAError)):
         cls = BY_STATUS.get(status, ZenMLAError)
     detail = str(problem.get("detail") or f"HTTP {status}")[:2000]

@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-from ._errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
-from ._ragged import RaggedBatch, check_num_seqs, validate
-from ._status import zentorch_status
-from .kernels import KernelChoice, select_kernel
+from .attention.batch import RaggedBatch, check_num_seqs, validate
+from .attention.select import KernelChoice, select_kernel, zentorch_status
+from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import Outputs, PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
 
 __all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]

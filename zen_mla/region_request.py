@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._errors import InvalidInputError, WireFormatError
+from .errors import InvalidInputError, WireFormatError
 from .wire import DTYPES, MAX_HEADER_BYTES, MAX_METADATA_VALUE, REQUEST_TENSORS, RESPONSE_TENSORS
 
 __all__ = [

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import (
+from ._region_wire import FrameError, FrameReader, encode_frame
+from .errors import (
     InvalidInputError,
     ServiceUnavailableError,
     UnauthorizedError,
     ZenMLAError,
     status_of,
 )
-from ._region_wire import FrameError, FrameReader, encode_frame
 from .regions import Region, RegionRegistry
 
 __all__ = ["RegionServer"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._errors import InvalidInputError, ServiceUnavailableError
 from ._memfd import check_sealed_memfd
+from .errors import InvalidInputError, ServiceUnavailableError
 from .pool import SharedBuffer
 from .region_request import TensorPlace
 from .wire import DTYPES

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._errors import InvalidInputError, WireFormatError
-from ._ragged import RaggedBatch, validate
+from .attention.batch import RaggedBatch, validate
+from .errors import InvalidInputError, WireFormatError
 
 __all__ = [
     "MAX_DIM",

@@ -12,8 +12,8 @@ import gc
 import torch
 
 from service.app import _send
+from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
-from zen_mla.kernels import KernelChoice
 from zen_mla.pool import PoolResult
 from zen_mla.pool._shm import BufferCache
 

@@ -19,8 +19,8 @@ from tests.reference import assert_close_to_reference, attention_fp64
 from tests.service.restart import kill, requests_answered, serve_on
 from tests.service.servers import free_port, serve
 from zen_mla import vllm
+from zen_mla.attention.merge import merge_attn_states
 from zen_mla.client import PrefillClient
-from zen_mla.merge import merge_attn_states
 from zen_mla.vllm import (
     ContextKV,
     RemoteSettings,

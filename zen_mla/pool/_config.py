@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..topology import SYSFS
+from .topology import SYSFS
 
 __all__ = ["PoolConfig"]
 

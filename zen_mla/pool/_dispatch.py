@@ -17,13 +17,13 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
-from .._errors import KernelError, ServiceUnavailableError
-from ..topology import WorkerSlot
+from ..errors import KernelError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._job import PoolJob, TaskQueue, _Task
 from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
+from .topology import WorkerSlot
 
 __all__ = ["Dispatcher"]
 

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
-from .._errors import KernelError
-from ..topology import WorkerSlot
+from ..errors import KernelError
 from . import _worker
 from ._messages import Ready, Stop, ToSupervisor, ToWorker
+from .topology import WorkerSlot
 
 __all__ = ["SendFailedError", "WorkerGoneError", "WorkerProcess", "start_until_ready"]
 

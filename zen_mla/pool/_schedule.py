@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 
-from .._ragged import visible_pairs
+from ..attention.batch import visible_pairs
 from ._messages import Piece
 
 __all__ = ["Piece", "schedule"]

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .._errors import ServiceUnavailableError
+from ..errors import ServiceUnavailableError
 from ._messages import TensorRef
 
 __all__ = ["BufferCache", "SharedBuffer", "WorkerMappings", "tensor_ref", "view"]

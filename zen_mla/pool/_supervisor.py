@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from .._errors import KernelError, PoolClosedError, ServiceUnavailableError
-from .._ragged import RaggedBatch, validate
-from ..kernels import select_kernel
-from ..topology import WorkerSlot, discover_ccxs, plan_workers
+from ..attention.batch import RaggedBatch, validate
+from ..attention.select import host_status, select_kernel
+from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._dispatch import Dispatcher
 from ._job import Outputs, PoolJob, PoolResult, _Task
@@ -29,6 +28,7 @@ from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
 from ._shm import BufferCache, SharedBuffer, WorkerMappings, tensor_ref
+from .topology import WorkerSlot, discover_ccxs, plan_workers
 
 __all__ = ["WorkerPool"]
 
@@ -66,9 +66,7 @@ class WorkerPool:
         ]
         #: input bytes copied into shared memory because they came from ordinary memory
         self.staged_bytes = 0
-        from .._status import zentorch_status
-
-        self._warm_zentorch = bool(zentorch_status()["ops"]["zentorch_sdpa"])
+        self._warm_zentorch = host_status().sdpa_ok
 
     # -- life cycle --------------------------------------------------------------------------
 

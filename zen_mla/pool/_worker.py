@@ -138,7 +138,7 @@ def main(
 
     torch.set_num_threads(threads)
     if warm_zentorch:
-        from zen_mla._status import zentorch_op
+        from zen_mla.attention.kernels.zentorch import zentorch_op
 
         zentorch_op()  # import zentorch now, not on the first request
     sender.send(Ready(os.getpid()))
@@ -188,9 +188,9 @@ def _map(fd: int, nbytes: int, populate: bool) -> Any:
 
 
 def _run(spec: TaskSpec, whole: dict[int, Any]) -> None:
-    from zen_mla._attention import attend
-    from zen_mla._ragged import RaggedBatch
-    from zen_mla.kernels import KERNELS
+    from zen_mla.attention.batch import RaggedBatch
+    from zen_mla.attention.driver import attend
+    from zen_mla.attention.kernels import KERNELS
 
     from ._shm import view
 

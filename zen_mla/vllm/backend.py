@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Literal, Protocol, cast, overload
 
 import torch
 
-from .._errors import InvalidInputError
 from ..client import PrefillClient
+from ..errors import InvalidInputError
 from .context import ContextKV, call, check_out, lse_of, pool, prefill_with_context
 from .link import ServiceLink
 from .settings import RemoteSettings, default_settings, service_ready

@@ -12,8 +12,8 @@ from typing import ClassVar, Literal, Protocol, overload
 
 import torch
 
-from .._errors import InvalidInputError, KernelError
-from ..merge import merge_many
+from ..attention.merge import merge_many
+from ..errors import InvalidInputError, KernelError
 from .settings import DEFAULT_CONCURRENCY
 
 __all__ = [

@@ -26,8 +26,8 @@ from typing import ClassVar
 import httpx
 import torch
 
-from .._errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..client import PrefillClient
+from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from .context import PrefillResult, call
 from .settings import RemoteSettings, healthy
 

@@ -9,8 +9,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .._errors import InvalidInputError
 from ..client import PrefillClient
+from ..errors import InvalidInputError
 
 __all__ = ["DEFAULT_URL", "RemoteSettings", "default_settings", "service_ready"]
 

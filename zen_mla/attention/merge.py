@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._errors import InvalidInputError
+from ..errors import InvalidInputError
 
 __all__ = ["merge_attn_states", "merge_many"]
 

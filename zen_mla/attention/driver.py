@@ -1,17 +1,17 @@
-"""`ragged_attention`: varlen MLA prefill attention, driven request run by request run."""
+"""The ragged-batch driver: a validated varlen batch through one kernel, request run by request
+run (equal-shape neighbours as one strided call), bottom-right causal, V padded once."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, overload
 
 import torch
 
-from ._ragged import RaggedBatch, validate
-from .kernels import AttentionKernel, select_kernel
+from .batch import RaggedBatch
+from .kernels import AttentionKernel
 
-__all__ = ["attend", "ragged_attention"]
+__all__ = ["MASK_BUDGET_BYTES", "attend"]
 
 #: bytes of one additive bottom-right mask block; larger masks are applied in query blocks
 MASK_BUDGET_BYTES = 16 << 20
@@ -119,71 +119,3 @@ def attend(
                 )
                 dst.put(slice(a, b), o, lo)
     return out, lse
-
-
-@overload
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None = None,
-    *,
-    causal: bool = True,
-    return_lse: Literal[False] = False,
-    scale: float | None = None,
-    kernel: str = "auto",
-) -> torch.Tensor: ...
-@overload
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None = None,
-    *,
-    causal: bool = True,
-    return_lse: Literal[True],
-    scale: float | None = None,
-    kernel: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None = None,
-    *,
-    causal: bool = True,
-    return_lse: bool = False,
-    scale: float | None = None,
-    kernel: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over a ragged ("varlen") batch of `B` requests, as flash-attn's varlen API.
-
-    Args:
-        q: `[Tq, H, Dqk]`, bf16, fp16 or fp32.
-        k: `[Tk, H, Dqk]`, q's dtype.
-        v: `[Tk, H, Dv]`, q's dtype, `Dv <= Dqk` (MLA: Dqk = 192, Dv = 128).
-        q_cu_seq_lens: `[B + 1]` int32/int64 offsets into q, `0 = c[0] <= ... <= c[B] = Tq`.
-        kv_cu_seq_lens: `[B + 1]` offsets into k/v; None means `q_cu_seq_lens`.
-        causal: query i of a request sees keys `j <= i + Sk - Sq` (bottom-right aligned).
-        return_lse: also return the softmax log-sum-exp, fp32-accurate whatever `kernel`.
-        scale: score scale, default `Dqk ** -0.5`.
-        kernel: "auto" | "zentorch" | "torch" | "reference", what computes `out`.
-
-    Returns:
-        out `[Tq, H, Dv]` in v's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).
-        Queries that see no key get `out = 0`, `lse = -inf`.
-
-    Raises:
-        InvalidInputError (a ValueError) naming the tensor or argument at fault;
-        KernelUnavailableError when `kernel` names one that cannot run here.
-    """
-    batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
-    chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
-    out, lse = attend(batch, chosen, return_lse=return_lse)
-    if return_lse:
-        assert lse is not None
-        return out, lse
-    return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._errors import InvalidInputError
+from ..errors import InvalidInputError
 
 __all__ = [
     "DTYPES",

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
+import importlib
+from typing import Any, ClassVar
 
 import torch
 
-from .._status import zentorch_op, zentorch_status
 from .base import AttentionKernel
 
-__all__ = ["ZentorchKernel"]
+__all__ = ["ZentorchKernel", "zentorch_op"]
+
+
+@functools.cache
+def zentorch_op() -> Any | None:
+    """`torch.ops.zentorch.zentorch_sdpa` after importing zentorch, or None where absent."""
+    try:
+        importlib.import_module("zentorch")
+    except Exception:  # ImportError, or a wheel built for another torch failing to load
+        return None
+    namespace = getattr(torch.ops, "zentorch", None)
+    return getattr(namespace, "zentorch_sdpa", None) if namespace is not None else None
 
 
 class ZentorchKernel(AttentionKernel):
@@ -19,25 +31,16 @@ class ZentorchKernel(AttentionKernel):
     (inference only; its second return is uninitialised memory) and, when autograd records the
     call, the plugin's own flash kernel, whose second return is the real natural-log LSE
     (`[n, H, Sq]` fp32). `out` without an LSE takes the first, `out` with an LSE the second;
-    neither is a documented promise, so the LSE is used only where `zentorch_status()`'s
-    start-up probe found it correct. Its `is_causal` is top-left aligned and it refuses bool
-    masks: the driver passes bottom-right causal masks as additive masks of the query dtype.
+    neither is a documented promise, so the LSE is used only where the selector's start-up
+    probe (`attention.select`) found it correct. Its `is_causal` is top-left aligned and it
+    refuses bool masks: the driver passes bottom-right causal masks as additive masks of the
+    query dtype.
     """
 
     name: ClassVar[str] = "zentorch"
     needs_equal_head_dims: ClassVar[bool] = True
     # fp16 runs, but at bf16 precision (max error ~9x same-precision PyTorch's, measured)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        status = zentorch_status()
-        return "" if status["ops"]["zentorch_sdpa"] else str(status["reason"])
-
-    @classmethod
-    def lse_unavailable_reason(cls) -> str:
-        status = zentorch_status()
-        return "" if status["ops"]["zentorch_sdpa_lse"] else str(status["lse_reason"])
 
     @classmethod
     def forward(
@@ -69,7 +72,7 @@ def zentorch_sdpa(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     op = zentorch_op()
-    assert op is not None, "called only where zentorch_status() found the op"
+    assert op is not None, "called only where the selector found the op"
     out, second = op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, second
 

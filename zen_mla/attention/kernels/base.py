@@ -12,9 +12,9 @@ __all__ = ["AttentionKernel"]
 class AttentionKernel:
     """One dense attention kernel over a batch of equal-length requests.
 
-    Capabilities are class-level, and `unavailable_reason()` / `lse_unavailable_reason()` are
-    decided once per process, so the driver picks a kernel at selection time and never
-    re-checks per call.
+    Capabilities are class-level; whether a kernel can run on this host (and give an LSE) is
+    the selector's business (`attention.select`), decided once per process, so the driver
+    never re-checks per call.
     """
 
     name: ClassVar[str]
@@ -22,17 +22,6 @@ class AttentionKernel:
     needs_equal_head_dims: ClassVar[bool]
     #: input dtypes computed at their own precision
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """'' where the kernel can run on this host, else why not (checked once, cached)."""
-        return ""
-
-    @classmethod
-    def lse_unavailable_reason(cls) -> str:
-        """'' where the kernel gives an fp32-accurate log-sum-exp (within 1e-3 of fp64) along
-        with `out` on this host, else why not (checked once, cached)."""
-        return ""
 
     @classmethod
     def forward(
@@ -52,7 +41,7 @@ class AttentionKernel:
         stride). `causal` is the top-left triangle and is only passed with `Sq == Sk`; other
         masks come as `mask`, an additive `[Sq, Sk]` tensor of q's dtype (0 or -inf) that leaves
         every query at least one key. Returns out `[n, H, Sq, Dv]` in q's dtype (any strides)
-        and, when `return_lse` (asked only where `lse_unavailable_reason()` is ''), lse
+        and, when `return_lse` (asked only where the selector found its LSE fp32-accurate), lse
         `[n, H, Sq]` fp32.
         """
         raise NotImplementedError

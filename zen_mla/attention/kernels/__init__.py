@@ -1,0 +1,14 @@
+"""Attention kernels, one file each, by name. Which one runs is `attention.select`'s choice."""
+
+from __future__ import annotations
+
+from .base import AttentionKernel
+from .reference import ReferenceKernel
+from .torch_flash import TorchFlashKernel
+from .zentorch import ZentorchKernel
+
+__all__ = ["KERNELS", "AttentionKernel", "ReferenceKernel", "TorchFlashKernel", "ZentorchKernel"]
+
+KERNELS: dict[str, type[AttentionKernel]] = {
+    k.name: k for k in (ZentorchKernel, TorchFlashKernel, ReferenceKernel)
+}
