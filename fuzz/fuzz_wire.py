@@ -1,4 +1,5 @@
-"""atheris fuzz target: the wire decoder and the validator on arbitrary bytes.
+"""atheris fuzz target: what the service runs on a `/prefill` body, on arbitrary bytes: the wire
+decoder, the options, and the engine's prepare (validation, caps, kernel choice).
 
 Every input must end in a zen_mla ValueError (the 4xx family) or decode and validate; any other
 exception is a crash atheris reports with the input that caused it.
@@ -16,6 +17,10 @@ import torch
 
 with atheris.instrument_imports(include=["zen_mla"]):
     from zen_mla import InvalidInputError, wire
+    from zen_mla.engine import EngineConfig, PrefillEngine
+
+# never started: prepare() needs no workers; the caps are the service's defaults
+ENGINE = PrefillEngine(EngineConfig(max_work=1 << 41, max_seqs=8192))
 
 
 def one_input(data: bytes) -> None:
@@ -27,7 +32,7 @@ def one_input(data: bytes) -> None:
     try:
         tensors, meta = wire.decode(body, wire.REQUEST_TENSORS)
         options = wire.parse_options(meta)
-        wire.request_batch(tensors, options)
+        ENGINE.prepare(tensors, options)
     except InvalidInputError:
         pass
 

@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from zen_mla import (
     UnsupportedMediaTypeError,
     ZenMLAError,
-    region_request,
     wire,
     zentorch_status,
 )
 from zen_mla.engine import EngineConfig, PrefillEngine, PrefillResult
 from zen_mla.pool import PoolConfig
-from zen_mla.region_server import RegionServer
-from zen_mla.regions import RegionRegistry
+from zen_mla.regions.registry import RegionRegistry
+from zen_mla.regions.server import RegionServer
+from zen_mla.wire import regions_json
 
 from .exchange import (
     Exchange,
@@ -39,7 +39,6 @@ from .exchange import (
     drop_body,
     gate,
     handle,
-    prepare,
     receive,
     receive_small,
     stream,
@@ -259,11 +258,11 @@ async def _prefill(state: ServiceState, request: Request) -> Response:
     async def work(x: Exchange) -> Response:
         engine = gate(state, request)
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media == region_request.MEDIA_TYPE and state.regions is not None:
+        if media == regions_json.MEDIA_TYPE and state.regions is not None:
             return await _from_regions(state, request, engine, x)
         if media != "application/octet-stream":
             offered = "application/octet-stream" + (
-                f" or {region_request.MEDIA_TYPE}" if state.regions is not None else ""
+                f" or {regions_json.MEDIA_TYPE}" if state.regions is not None else ""
             )
             raise UnsupportedMediaTypeError(
                 f"Content-Type: expected {offered}, got {media or 'none'}"
@@ -288,7 +287,7 @@ async def _from_body(
     tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
     x.request_id = meta.get("request_id")
     options = wire.parse_options(meta)
-    prepared = prepare(engine, tensors, options)
+    prepared = engine.prepare(tensors, options)
     run = functools.partial(engine.run, prepared, inputs=buf)
     result, timing = await compute(state, request, prepared, run, x)
     await drop_body(engine, x)

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -33,9 +32,8 @@ from zen_mla import (
 )
 from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
 from zen_mla.pool import SharedBuffer
-from zen_mla.region_server import RegionServer
-from zen_mla.regions import RegionRegistry
-from zen_mla.wire import PrefillOptions
+from zen_mla.regions.registry import RegionRegistry
+from zen_mla.regions.server import RegionServer
 
 from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
 from .metrics import Metrics
@@ -52,7 +50,6 @@ __all__ = [
     "drop_body",
     "gate",
     "handle",
-    "prepare",
     "receive",
     "receive_small",
     "stream",
@@ -217,20 +214,6 @@ class Exchange:
 
     def remaining(self, deadline_s: float) -> float:
         return deadline_s - (time.perf_counter() - self.t0)
-
-
-def prepare(
-    engine: PrefillEngine, tensors: dict[str, torch.Tensor], options: PrefillOptions
-) -> PrefillRequest:
-    """A request's tensors, validated and within the work cap, with the kernels chosen for
-    `options` (whichever wire format they came in)."""
-    return engine.prepare_tensors(
-        tensors,
-        causal=options.causal,
-        return_lse=options.return_lse,
-        scale=options.scale,
-        kernel=options.kernel,
-    )
 
 
 ErrorAnswer = Callable[[ZenMLAError, "Exchange", dict[str, str] | None], Response]

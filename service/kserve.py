@@ -38,6 +38,7 @@ from zen_mla import (
 from zen_mla.engine import PrefillEngine, PrefillRequest, PrefillResult
 from zen_mla.pool import Outputs, SharedBuffer
 from zen_mla.wire import tensor_bytes
+from zen_mla.wire.dtypes import BY_TORCH
 
 from . import kserve_request as kr
 from .exchange import (
@@ -51,7 +52,6 @@ from .exchange import (
     drop_body,
     gate,
     handle,
-    prepare,
     receive,
     receive_small,
     stream,
@@ -309,7 +309,7 @@ async def _infer(
     homes, staging = _place_inputs(engine, tensors, buf, req, state.system_shm)
     if staging is not None:
         x.staging.append(staging)  # given back with the body, once the work is done
-    prepared = prepare(engine, tensors, req.options)
+    prepared = engine.prepare(tensors, req.options)
     places = _output_places(req, prepared, state.system_shm, s.max_json_bytes)
     direct = _direct_outputs(req, places)
     run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
@@ -517,7 +517,7 @@ def _output_places(
         if out.shm.byte_size < nbytes:
             raise InvalidInputError(
                 f"{out.name}.shared_memory_byte_size",
-                f"at least {nbytes} bytes ({kr.NAMES[dtype]} {list(shape)})",
+                f"at least {nbytes} bytes ({BY_TORCH[dtype].kserve} {list(shape)})",
                 str(out.shm.byte_size),
             )
         region = _region(regions, out.name, out.shm, out.shm.byte_size, dtype)
@@ -576,7 +576,7 @@ async def _respond(
             assert t is not None
             entry: dict[str, Any] = {
                 "name": out.name,
-                "datatype": kr.NAMES[t.dtype],
+                "datatype": BY_TORCH[t.dtype].kserve,
                 "shape": list(t.shape),
             }
             place = places[out.name]

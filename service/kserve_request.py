@@ -20,9 +20,9 @@ import torch
 
 from zen_mla import InvalidInputError, WireFormatError
 from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id
+from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
 
 __all__ = [
-    "DATATYPES",
     "INPUTS",
     "MODEL",
     "InferRequest",
@@ -36,16 +36,8 @@ __all__ = [
 
 MODEL = "mla_prefill"
 VERSION = "1"
-DATATYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-}
-NAMES = {dtype: name for name, dtype in DATATYPES.items()}
-_VALUES = ("BF16", "FP16", "FP32")
-_INDEXES = ("INT32", "INT64")
+_VALUES = kserve_names("value")
+_INDEXES = kserve_names("index")
 #: inputs by name: the datatypes each may have, and the number of its dimensions
 INPUTS: dict[str, tuple[tuple[str, ...], int]] = {
     "q": (_VALUES, 3),
@@ -119,7 +111,7 @@ class InputSpec:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DATATYPES[self.datatype]
+        return BY_KSERVE[self.datatype].torch
 
     @property
     def nbytes(self) -> int:

@@ -9,19 +9,18 @@ from dataclasses import dataclass
 import torch
 from fastapi.responses import Response
 
-from zen_mla import InvalidInputError, region_request
+from zen_mla import InvalidInputError
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillEngine, PrefillRequest
 from zen_mla.pool import Outputs, SharedBuffer
-from zen_mla.regions import RegionRegistry
-from zen_mla.wire import NAMES, REQUEST_TENSORS, PrefillOptions, parse_options
-
-from .exchange import prepare
+from zen_mla.regions.registry import RegionRegistry
+from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
+from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
 
 __all__ = ["RegionWork", "answer", "resolve"]
 
-_VALUES = ("BF16", "F16", "F32")
-_INDEXES = ("I32", "I64")
+_VALUES = safetensors_names("value")
+_INDEXES = safetensors_names("index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +30,14 @@ class RegionWork:
     prepared: PrefillRequest
     inputs: list[SharedBuffer]
     outputs: Outputs
-    places: dict[str, region_request.TensorPlace]
+    places: dict[str, regions_json.TensorPlace]
     options: PrefillOptions
 
 
 def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> RegionWork:
     """Every place checked against its region, outputs against the inputs and each other,
     then the batch validated as any other; InvalidInputError names what is wrong."""
-    message = region_request.decode(body, region_request.REQUEST_NAMES)
+    message = regions_json.decode(body, regions_json.REQUEST_NAMES)
     options = parse_options(message.metadata)
     places = message.places
     tensors = {
@@ -46,7 +45,7 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
         for name, place in places.items()
         if name in REQUEST_TENSORS
     }
-    prepared = prepare(engine, tensors, options)
+    prepared = engine.prepare(tensors, options)
     batch = prepared.batch
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
         "out": ((batch.q.shape[0], batch.num_heads, batch.v_head_dim), batch.v.dtype)
@@ -63,13 +62,13 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
         place = places.get(name)
         if place is None:
             raise InvalidInputError(name, "a place for it in a region", "none")
-        if place.shape != shape or place.dtype != NAMES[dtype]:
+        if place.shape != shape or place.dtype != BY_TORCH[dtype].safetensors:
             raise InvalidInputError(
                 name,
-                f"{NAMES[dtype]} {list(shape)}",
+                f"{BY_TORCH[dtype].safetensors} {list(shape)}",
                 f"{place.dtype} {list(place.shape)}",
             )
-        views[name] = registry.tensor(name, place, (NAMES[dtype],))
+        views[name] = registry.tensor(name, place, (BY_TORCH[dtype].safetensors,))
     registry.check_disjoint(places, tuple(wanted))
     out_region = registry.resolve(places["out"].region)
     if "lse" in places and places["lse"].region != places["out"].region:
@@ -87,4 +86,4 @@ def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> R
     if request_id:
         meta["request_id"] = request_id
     written = {n: p for n, p in work.places.items() if n in ("out", "lse")}
-    return Response(region_request.encode(written, meta), media_type=region_request.MEDIA_TYPE)
+    return Response(regions_json.encode(written, meta), media_type=regions_json.MEDIA_TYPE)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from zen_mla._region_wire import recv_frame
 from zen_mla.pool import SharedBuffer
-from zen_mla.region_server import RegionServer
-from zen_mla.regions import RegionRegistry
+from zen_mla.regions.protocol import recv_frame
+from zen_mla.regions.registry import RegionRegistry
+from zen_mla.regions.server import RegionServer
 
 T = TypeVar("T")
 

@@ -29,8 +29,8 @@ from tests.fake_server import (
     safetensors_body,
     trickle,
 )
-from zen_mla._shm_client import RegionClient
 from zen_mla.client import AsyncPrefillClient, PrefillClient
+from zen_mla.regions.client import RegionClient
 
 CLIENTS = ["sync", "async"]
 TQ, H, DQK, DV = 8, 2, 192, 128

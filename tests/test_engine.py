@@ -13,6 +13,7 @@ import zen_mla
 from tests.reference import assert_close_to_reference
 from zen_mla.engine import EngineConfig, PrefillEngine
 from zen_mla.pool import PoolConfig
+from zen_mla.wire import PrefillOptions
 
 H, DQK, DV = 2, 64, 32
 
@@ -27,6 +28,16 @@ def _batch(q_lens, kv_lens, dtype=torch.bfloat16, seed=0):
     return q, k, v, q_cu, kv_cu
 
 
+def tensors_of(q, k, v, q_cu, kv_cu=None):
+    named = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
+    return named | ({"kv_cu_seq_lens": kv_cu} if kv_cu is not None else {})
+
+
+def submit(engine, q, k, v, q_cu, kv_cu=None, **options):
+    """What every front door does: prepare (validate, caps, kernels), then run."""
+    return engine.run(engine.prepare(tensors_of(q, k, v, q_cu, kv_cu), PrefillOptions(**options)))
+
+
 @pytest.fixture(scope="module")
 def engine():
     config = EngineConfig(PoolConfig(workers=1, ping_interval=0.2))
@@ -37,7 +48,7 @@ def engine():
 @pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
 def test_result_matches_the_reference_and_names_its_kernels(engine, return_lse):
     q, k, v, q_cu, kv_cu = _batch([30, 0, 7], [30, 4, 19])
-    job = engine.submit(q, k, v, q_cu, kv_cu, return_lse=return_lse)
+    job = submit(engine, q, k, v, q_cu, kv_cu, return_lse=return_lse)
     result = job.result(timeout=60)
     assert job.kernels == zen_mla.kernel_choice("auto", q.dtype, return_lse=return_lse)
     assert result.kernels == job.kernels
@@ -51,8 +62,8 @@ def test_wait_from_asyncio(engine):
     q, k, v, q_cu, kv_cu = _batch([12, 5], [12, 40])
 
     async def main():
-        jobs = [engine.submit(q, k, v, q_cu, kv_cu, causal=False, return_lse=True)]
-        jobs.append(engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False))
+        jobs = [submit(engine, q, k, v, q_cu, kv_cu, causal=False, return_lse=True)]
+        jobs.append(submit(engine, q, k, v, q_cu, kv_cu, kernel="reference", causal=False))
         return await asyncio.gather(*(j.wait(timeout=60) for j in jobs))
 
     first, second = asyncio.run(main())
@@ -64,10 +75,10 @@ def test_wait_from_asyncio(engine):
 def test_tensors_by_name_and_a_missing_one_is_named(engine):
     q, k, v, q_cu, _ = _batch([9], [9])
     tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
-    result = engine.run(engine.prepare_tensors(tensors)).result(timeout=60)
+    result = engine.run(engine.prepare(tensors)).result(timeout=60)
     assert_close_to_reference(q, k, v, q_cu, None, True, result.out)
     with pytest.raises(zen_mla.InvalidInputError, match="v") as info:
-        engine.prepare_tensors({"q": q, "k": k, "q_cu_seq_lens": q_cu})
+        engine.prepare({"q": q, "k": k, "q_cu_seq_lens": q_cu})
     assert info.value.name == "v"
 
 
@@ -75,25 +86,25 @@ def test_bad_input_and_work_over_the_cap_are_refused_before_the_pool(engine):
     q, k, v, q_cu, kv_cu = _batch([300], [300])
     capped = PrefillEngine(EngineConfig(PoolConfig(workers=1), max_work=H * DQK * 50_000))
     with pytest.raises(zen_mla.WorkTooLargeError, match="cap"):  # never started: no workers
-        capped.prepare(q, k, v, q_cu, kv_cu, causal=False)  # 90,000 pairs > 50,000
-    assert capped.prepare(q, k, v, q_cu, kv_cu).batch.work() == H * DQK * 45_150
+        capped.prepare(tensors_of(q, k, v, q_cu, kv_cu), PrefillOptions(causal=False))
+    assert capped.prepare(tensors_of(q, k, v, q_cu, kv_cu)).batch.work() == H * DQK * 45_150
     with pytest.raises(zen_mla.InvalidInputError) as info:
-        engine.submit(q, k, v[:, :, :1].expand(-1, -1, 2 * DQK), q_cu, kv_cu)
+        submit(engine, q, k, v[:, :, :1].expand(-1, -1, 2 * DQK), q_cu, kv_cu)
     assert info.value.name == "v"
     with pytest.raises(zen_mla.InvalidInputError, match="flash3"):
-        engine.submit(q, k, v, q_cu, kv_cu, kernel="flash3")
+        submit(engine, q, k, v, q_cu, kv_cu, kernel="flash3")
 
 
 @pytest.mark.slow
 def test_a_deadline_abandons_the_work_and_the_worker_is_free_again(engine):
     q, k, v, q_cu, kv_cu = _batch([140], [140], dtype=torch.float32)
-    slow = [engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False)]
-    slow += [engine.submit(q, k, v, q_cu, kv_cu, kernel="reference") for _ in range(200)]
+    slow = [submit(engine, q, k, v, q_cu, kv_cu, kernel="reference", causal=False)]
+    slow += [submit(engine, q, k, v, q_cu, kv_cu, kernel="reference") for _ in range(200)]
     with pytest.raises(zen_mla.DeadlineExceededError, match="abandoned"):
         slow[-1].result(timeout=0.05)
     for job in slow:
         job.cancel()
-    assert engine.submit(q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (140, H, DV)
+    assert submit(engine, q, k, v, q_cu, kv_cu).result(timeout=60).out.shape == (140, H, DV)
     assert engine.ready()
 
 
@@ -103,7 +114,7 @@ def test_an_awaited_deadline_stops_the_busy_worker(engine):
     must be stopped all the same, not left computing abandoned work."""
     q, k, v, q_cu, kv_cu = _batch([8000], [8000], dtype=torch.float32)
     before = engine.workers()[0]["restarts"]
-    job = engine.submit(q, k, v, q_cu, kv_cu, kernel="reference", causal=False)
+    job = submit(engine, q, k, v, q_cu, kv_cu, kernel="reference", causal=False)
 
     async def main():
         while job.started_at is None:

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zen_mla import InvalidInputError, WireFormatError
-from zen_mla import region_request as rr
-from zen_mla._memfd import check_sealed_memfd, create_sealed_memfd
+from zen_mla.regions.memfd import check_sealed_memfd, create_sealed_memfd
+from zen_mla.wire import regions_json as rr
 
 NAMES = rr.REQUEST_NAMES
 Q = rr.TensorPlace("h1", 0, "BF16", (4, 2, 8))

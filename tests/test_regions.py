@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from tests.region_sockets import refused, running
 from zen_mla import InvalidInputError
-from zen_mla._memfd import create_sealed_memfd
-from zen_mla._region_wire import (
+from zen_mla.pool import SharedBuffer
+from zen_mla.regions.memfd import create_sealed_memfd
+from zen_mla.regions.protocol import (
     MAX_FIELDS,
     FrameError,
     FrameReader,
@@ -29,10 +30,9 @@ from zen_mla._region_wire import (
     recv_frame,
     send_frame,
 )
-from zen_mla.pool import SharedBuffer
-from zen_mla.region_request import TensorPlace
-from zen_mla.region_server import RegionServer
-from zen_mla.regions import RegionRegistry
+from zen_mla.regions.registry import RegionRegistry
+from zen_mla.regions.server import RegionServer
+from zen_mla.wire.regions_json import TensorPlace
 
 
 def test_per_client_limits_and_handles():

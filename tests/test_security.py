@@ -46,7 +46,9 @@ def test_the_scan_covers_every_module_that_handles_a_request_or_a_task():
     assert {
         "service/app.py",
         "service/ingest.py",
-        "zen_mla/wire.py",
+        "zen_mla/wire/safetensors.py",
+        "zen_mla/wire/regions_json.py",
+        "zen_mla/regions/server.py",
         "zen_mla/engine.py",
         "zen_mla/pool/_supervisor.py",
         "zen_mla/pool/_dispatch.py",

@@ -42,8 +42,7 @@ import httpcore
 import httpx
 import torch
 
-from . import errors, region_request, wire
-from ._shm_client import Layout, RegionClient, RegionSet
+from . import errors, wire
 from .attention.batch import visible_pairs
 from .errors import (
     BY_STATUS,
@@ -55,6 +54,9 @@ from .errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
+from .regions.client import Layout, RegionClient, RegionSet
+from .wire import regions_json
+from .wire.dtypes import BY_SAFETENSORS, BY_TORCH
 
 __all__ = ["AsyncPrefillClient", "PrefillClient"]
 
@@ -343,7 +345,7 @@ class _Outputs:
         q, v = tensors["q"], tensors["v"]
         tq, heads = int(q.shape[0]), int(q.shape[1])
         want: dict[str, tuple[tuple[int, ...], str]] = {
-            "out": ((tq, heads, int(v.shape[2])), wire.NAMES[v.dtype])
+            "out": ((tq, heads, int(v.shape[2])), BY_TORCH[v.dtype].safetensors)
         }
         if return_lse:
             want["lse"] = ((heads, tq), "F32")
@@ -356,7 +358,7 @@ class _Outputs:
     @property
     def max_answer(self) -> int:
         """The most bytes a safetensors answer can take: the header cap and the tensors."""
-        data = sum(math.prod(s) * wire.DTYPES[d].itemsize for s, d in self.want.values())
+        data = sum(math.prod(s) * BY_SAFETENSORS[d].torch.itemsize for s, d in self.want.values())
         return 8 + wire.MAX_HEADER_BYTES + data
 
     def check(self, got: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
@@ -388,7 +390,7 @@ def _decoded(
         tensors, _meta = wire.decode(raw, wire.RESPONSE_TENSORS)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"the answer is not a readable safetensors file: {exc}") from exc
-    outputs.check({n: (tuple(t.shape), wire.NAMES[t.dtype]) for n, t in tensors.items()})
+    outputs.check({n: (tuple(t.shape), BY_TORCH[t.dtype].safetensors) for n, t in tensors.items()})
     out = tensors["out"].to(device)
     if outputs.return_lse:
         return out, tensors["lse"].to(device)
@@ -408,7 +410,7 @@ def _answered(
     if status != 200:
         raise _error(status, body, headers)
     try:
-        answer = region_request.decode(bytes(body), wire.RESPONSE_TENSORS)
+        answer = regions_json.decode(bytes(body), wire.RESPONSE_TENSORS)
     except ZenMLAError as exc:
         raise ProtocolError(f"the answer is not a readable region answer: {exc}") from exc
     outputs.check({n: (p.shape, p.dtype) for n, p in answer.places.items()})
@@ -472,7 +474,7 @@ def _regions_of(
 
 
 def _region_headers(token: str | None) -> dict[str, str]:
-    headers = {"Content-Type": region_request.MEDIA_TYPE}
+    headers = {"Content-Type": regions_json.MEDIA_TYPE}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     return headers
@@ -493,8 +495,10 @@ def _tensors(
             raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
         if name in ("q", "k", "v") and t.ndim != 3:
             raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
-        if t.dtype not in wire.NAMES:
-            raise InvalidInputError(name, f"a dtype among {', '.join(wire.DTYPES)}", str(t.dtype))
+        if t.dtype not in BY_TORCH:
+            raise InvalidInputError(
+                name, f"a dtype among {', '.join(BY_SAFETENSORS)}", str(t.dtype)
+            )
     return tensors
 
 
@@ -734,7 +738,7 @@ class PrefillClient:
         deadline: _Deadline,
     ) -> PrefillResult:
         with regions.request(tensors, outputs.return_lse) as layout:
-            request = region_request.encode(layout.places, options)
+            request = regions_json.encode(layout.places, options)
             status, headers, body = self._send(
                 i, "POST", "/prefill", wire.MAX_HEADER_BYTES, deadline, request,
                 _region_headers(self._token),
@@ -921,7 +925,7 @@ class AsyncPrefillClient:
             stack.enter_context, regions.request(tensors, outputs.return_lse)
         )
         with stack:
-            request = region_request.encode(layout.places, options)
+            request = regions_json.encode(layout.places, options)
             status, headers, body = await self._send(
                 i, "POST", "/prefill", wire.MAX_HEADER_BYTES, deadline, request,
                 _region_headers(self._token),

@@ -2,11 +2,14 @@
 
 It takes a request's tensors and options, validates them once, applies the work cap, picks the
 kernels, and runs the batch on the worker pool; the result comes back blocking or awaitable,
-and every failure is a `zen_mla` exception. The HTTP service builds nothing of this pipeline
-itself.
+and every failure is a `zen_mla` exception. Every request form of the HTTP service (a
+safetensors body, a regions JSON, a v2 infer) comes through `prepare` and `run`.
 
     with PrefillEngine(EngineConfig(max_work=1 << 40)) as engine:
-        job = engine.submit(q, k, v, q_cu_seq_lens, return_lse=True)
+        request = engine.prepare(
+            {"q": q, "k": k, "v": v, "q_cu_seq_lens": cu}, PrefillOptions(return_lse=True)
+        )
+        job = engine.run(request)
         result = job.result()            # or: await job.wait(timeout=60)
         out, lse = result.out, result.lse
         result.release()
@@ -22,9 +25,10 @@ from typing import Any
 import torch
 
 from .attention.batch import RaggedBatch, check_num_seqs, validate
-from .attention.select import KernelChoice, select_kernel, zentorch_status
+from .attention.select import KernelChoice, host_status, select_kernel
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import Outputs, PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
+from .wire import PrefillOptions
 
 __all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]
 
@@ -143,7 +147,7 @@ class PrefillEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        zentorch_status()  # probe the kernels once, before the workers start
+        host_status()  # probe the kernels once, before the workers start
         self._pool = WorkerPool(self.config.pool)
 
     # -- life cycle --------------------------------------------------------------------------
@@ -189,29 +193,25 @@ class PrefillEngine:
         return self._pool.adopt(fd, nbytes)
 
     def prepare(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_cu_seq_lens: torch.Tensor,
-        kv_cu_seq_lens: torch.Tensor | None = None,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        kernel: str = "auto",
+        self, tensors: Mapping[str, torch.Tensor], options: PrefillOptions | None = None
     ) -> PrefillRequest:
-        """Validate a ragged batch, apply the work cap and pick its kernels, without queueing
-        it; arguments, shapes and errors as `zen_mla.ragged_attention`, plus WorkTooLargeError
-        over the cap."""
+        """The one front door of every request form: tensors by the contract's names (q, k,
+        v, q_cu_seq_lens and optional kv_cu_seq_lens) and the options, validated once, within
+        the sequence and work caps, with the kernels chosen; not queued yet. Errors as
+        `zen_mla.ragged_attention`'s (a missing tensor is named), plus WorkTooLargeError over
+        the work cap."""
+        options = options or PrefillOptions()
+        for name in REQUIRED_TENSORS:
+            if name not in tensors:
+                raise InvalidInputError(name, "a tensor of that name in the request", "none")
         batch = validate(
-            q,
-            k,
-            v,
-            q_cu_seq_lens,
-            kv_cu_seq_lens,
-            causal=causal,
-            scale=scale,
+            tensors["q"],
+            tensors["k"],
+            tensors["v"],
+            tensors["q_cu_seq_lens"],
+            tensors.get("kv_cu_seq_lens"),
+            causal=options.causal,
+            scale=options.scale,
             max_seqs=self.config.max_seqs,
         )
         work = batch.work()
@@ -222,39 +222,14 @@ class PrefillEngine:
                 str(work),
                 "Split the batch into smaller requests",
             )
-        chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
+        return_lse = options.return_lse
+        chosen = select_kernel(options.kernel, batch.q.dtype, return_lse=return_lse)
         return PrefillRequest(batch, KernelChoice(chosen.name, chosen.name if return_lse else None))
 
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError
         naming it otherwise), for a caller that must check before reading it."""
         check_num_seqs(name, entries, self.config.max_seqs)
-
-    def prepare_tensors(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        kernel: str = "auto",
-    ) -> PrefillRequest:
-        """`prepare` for tensors by the contract's names (q, k, v, q_cu_seq_lens and optional
-        kv_cu_seq_lens), as a decoded request has them; a missing one is named."""
-        for name in REQUIRED_TENSORS:
-            if name not in tensors:
-                raise InvalidInputError(name, "a tensor of that name in the request", "none")
-        return self.prepare(
-            tensors["q"],
-            tensors["k"],
-            tensors["v"],
-            tensors["q_cu_seq_lens"],
-            tensors.get("kv_cu_seq_lens"),
-            causal=causal,
-            return_lse=return_lse,
-            scale=scale,
-            kernel=kernel,
-        )
 
     def run(
         self,
@@ -277,31 +252,3 @@ class PrefillEngine:
             outputs=outputs,
         )
         return PrefillJob(request, job)
-
-    def submit(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_cu_seq_lens: torch.Tensor,
-        kv_cu_seq_lens: torch.Tensor | None = None,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        kernel: str = "auto",
-        inputs: SharedBuffer | None = None,
-    ) -> PrefillJob:
-        """`run(prepare(...))`."""
-        request = self.prepare(
-            q,
-            k,
-            v,
-            q_cu_seq_lens,
-            kv_cu_seq_lens,
-            causal=causal,
-            return_lse=return_lse,
-            scale=scale,
-            kernel=kernel,
-        )
-        return self.run(request, inputs=inputs)

@@ -16,9 +16,9 @@ import torch
 
 from tests.reference import assert_close_to_reference
 from tests.service.servers import Server
-from zen_mla import region_request as rr
-from zen_mla._shm_client import ClientRegion, RegionClient
-from zen_mla.wire import NAMES
+from zen_mla.regions.client import ClientRegion, RegionClient
+from zen_mla.wire import regions_json as rr
+from zen_mla.wire.dtypes import BY_TORCH
 
 REGION_JSON = {"Content-Type": rr.MEDIA_TYPE}
 
@@ -44,7 +44,7 @@ class SharedMemfd:
         return self.bytes[offset : offset + n].view(dtype).view(*shape)
 
     def place(self, offset: int, t: torch.Tensor) -> rr.TensorPlace:
-        return rr.TensorPlace(self.handle, offset, NAMES[t.dtype], tuple(t.shape))
+        return rr.TensorPlace(self.handle, offset, BY_TORCH[t.dtype].safetensors, tuple(t.shape))
 
 
 def lay_out(region: ClientRegion | SharedMemfd, tokens: int, lse: bool):

@@ -26,7 +26,7 @@ from tests.service.raw import (
     wait_for,
 )
 from tests.service.servers import Server, serve
-from zen_mla import region_request
+from zen_mla.wire import regions_json
 
 LOCKOUT_S = 15.0  # the contract's bound on a legitimate request's wait during an attack
 
@@ -138,7 +138,7 @@ def refusal(raw: bytes, code: int) -> str:
 def regions_head(n: int) -> bytes:
     return (
         b"POST /prefill HTTP/1.1\r\nHost: x\r\n"
-        + f"Content-Type: {region_request.MEDIA_TYPE}\r\nContent-Length: {n}\r\n\r\n".encode()
+        + f"Content-Type: {regions_json.MEDIA_TYPE}\r\nContent-Length: {n}\r\n\r\n".encode()
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.service.region_clients import during, open_fds, region_socket
 from tests.service.servers import Server, serve
-from zen_mla._region_wire import recv_frame
+from zen_mla.regions.protocol import recv_frame
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret"

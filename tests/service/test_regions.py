@@ -24,11 +24,11 @@ from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
-from zen_mla import region_request as rr
-from zen_mla._memfd import create_sealed_memfd
-from zen_mla._region_wire import recv_frame, send_frame
-from zen_mla._shm_client import ClientRegion, RegionClient
 from zen_mla.client import AsyncPrefillClient, PrefillClient
+from zen_mla.regions.client import ClientRegion, RegionClient
+from zen_mla.regions.memfd import create_sealed_memfd
+from zen_mla.regions.protocol import recv_frame, send_frame
+from zen_mla.wire import regions_json as rr
 
 pytestmark = pytest.mark.slow
 REGION_JSON = {"Content-Type": rr.MEDIA_TYPE}

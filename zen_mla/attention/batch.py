@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ..wire.dtypes import INDEX_DTYPES, VALUE_DTYPES
 
 __all__ = [
     "DTYPES",
@@ -24,8 +25,7 @@ __all__ = [
     "visible_pairs",
 ]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+DTYPES = VALUE_DTYPES  # what q, k and v may be
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -160,7 +160,7 @@ def _check_cu_seq_lens(
         raise InvalidInputError(
             name, "a 1-D tensor [B + 1] with B >= 0", f"shape {tuple(cu.shape)}"
         )
-    if cu.dtype not in _INDEX_DTYPES:
+    if cu.dtype not in INDEX_DTYPES:
         raise InvalidInputError(name, "dtype int32 or int64", str(cu.dtype))
     check_num_seqs(name, cu.numel(), max_seqs)
     c = cu.to(torch.int64)  # one pass in torch, not a Python loop per sequence

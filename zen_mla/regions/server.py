@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._region_wire import FrameError, FrameReader, encode_frame
-from .errors import (
+from ..errors import (
     InvalidInputError,
     ServiceUnavailableError,
     UnauthorizedError,
     ZenMLAError,
     status_of,
 )
-from .regions import Region, RegionRegistry
+from .protocol import FrameError, FrameReader, encode_frame
+from .registry import Region, RegionRegistry
 
 __all__ = ["RegionServer"]
 

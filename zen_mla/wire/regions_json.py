@@ -22,8 +22,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidInputError, WireFormatError
-from .wire import DTYPES, MAX_HEADER_BYTES, MAX_METADATA_VALUE, REQUEST_TENSORS, RESPONSE_TENSORS
+from ..errors import InvalidInputError, WireFormatError
+from .dtypes import BY_SAFETENSORS
+from .safetensors import (
+    MAX_HEADER_BYTES,
+    MAX_METADATA_VALUE,
+    REQUEST_TENSORS,
+    RESPONSE_TENSORS,
+)
 
 __all__ = [
     "MEDIA_TYPE",
@@ -51,7 +57,7 @@ class TensorPlace:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
+        n = BY_SAFETENSORS[self.dtype].torch.itemsize
         for d in self.shape:
             n *= d
         return n
@@ -103,8 +109,10 @@ def _place(name: str, raw: object) -> TensorPlace:
     region, dtype, shape = raw["region"], raw["dtype"], raw["shape"]
     if not isinstance(region, str) or not 0 < len(region) <= _MAX_HANDLE:
         raise InvalidInputError(f"{name}.region", "a region handle", repr(region)[:40])
-    if dtype not in DTYPES:
-        raise InvalidInputError(f"{name}.dtype", f"one of {', '.join(DTYPES)}", repr(dtype)[:40])
+    if dtype not in BY_SAFETENSORS:
+        raise InvalidInputError(
+            f"{name}.dtype", f"one of {', '.join(BY_SAFETENSORS)}", repr(dtype)[:40]
+        )
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
         raise InvalidInputError(f"{name}.shape", f"a list of <= {_MAX_DIMS} sizes", repr(shape))
     dims = tuple(_whole(name, "shape", d, 0) for d in shape)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._memfd import check_sealed_memfd
-from .errors import InvalidInputError, ServiceUnavailableError
-from .pool import SharedBuffer
-from .region_request import TensorPlace
-from .wire import DTYPES
+from ..errors import InvalidInputError, ServiceUnavailableError
+from ..pool import SharedBuffer
+from ..wire.dtypes import BY_SAFETENSORS
+from ..wire.regions_json import TensorPlace
+from .memfd import check_sealed_memfd
 
 __all__ = ["Region", "RegionRegistry"]
 
@@ -123,7 +123,7 @@ class RegionRegistry:
         if place.dtype not in dtypes:
             raise InvalidInputError(f"{name}.dtype", f"one of {', '.join(dtypes)}", place.dtype)
         region = self.resolve(place.region)
-        dtype = DTYPES[place.dtype]
+        dtype = BY_SAFETENSORS[place.dtype].torch
         if place.offset % dtype.itemsize:
             raise InvalidInputError(
                 f"{name}.offset",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 __all__ = ["check_sealed_memfd", "create_sealed_memfd"]
 

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.batch import RaggedBatch, validate
-from .errors import InvalidInputError, WireFormatError
+from ..errors import InvalidInputError, WireFormatError
+from .dtypes import BY_SAFETENSORS, BY_TORCH
 
 __all__ = [
     "MAX_DIM",
     "MAX_HEADER_BYTES",
+    "MAX_METADATA_VALUE",
     "MAX_REQUEST_ID",
     "REQUEST_TENSORS",
     "RESPONSE_TENSORS",
@@ -34,8 +35,8 @@ __all__ = [
     "decode",
     "encode",
     "header_length",
+    "options_metadata",
     "parse_options",
-    "request_batch",
     "tensor_bytes",
 ]
 
@@ -47,20 +48,6 @@ RESPONSE_TENSORS = frozenset({"out", "lse"})
 MAX_DIM = 1 << 48  # a dimension's cap, whatever the wire: well past memory, far below 2^63
 MAX_REQUEST_ID = 128  # characters of a request id (echoed and logged)
 REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
-
-DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def header_length(prefix: bytes | memoryview, body_bytes: int) -> int:
@@ -102,9 +89,12 @@ def _entry(name: str, raw: object, data_bytes: int) -> _Entry:
         raise WireFormatError(
             name, 'an object with "dtype", "shape", "data_offsets"', repr(raw)[:80]
         )
-    dtype = DTYPES.get(raw["dtype"]) if isinstance(raw["dtype"], str) else None
+    entry = BY_SAFETENSORS.get(raw["dtype"]) if isinstance(raw["dtype"], str) else None
+    dtype = entry.torch if entry is not None else None
     if dtype is None:
-        raise WireFormatError(name, f"a dtype among {', '.join(DTYPES)}", repr(raw["dtype"])[:40])
+        raise WireFormatError(
+            name, f"a dtype among {', '.join(BY_SAFETENSORS)}", repr(raw["dtype"])[:40]
+        )
     shape = raw["shape"]
     if (
         not isinstance(shape, list)
@@ -235,23 +225,6 @@ def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
     )
 
 
-def request_batch(tensors: Mapping[str, torch.Tensor], options: PrefillOptions) -> RaggedBatch:
-    """The decoded request as a validated batch; a missing tensor is named like any other
-    broken rule."""
-    for name in ("q", "k", "v", "q_cu_seq_lens"):
-        if name not in tensors:
-            raise InvalidInputError(name, "a tensor of that name in the body", "none")
-    return validate(
-        tensors["q"],
-        tensors["k"],
-        tensors["v"],
-        tensors["q_cu_seq_lens"],
-        tensors.get("kv_cu_seq_lens"),
-        causal=options.causal,
-        scale=options.scale,
-    )
-
-
 def options_metadata(
     *,
     causal: bool,
@@ -291,7 +264,7 @@ def encode(
     for name, t in sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
         data = tensor_bytes(t)
         header[name] = {
-            "dtype": NAMES[t.dtype],
+            "dtype": BY_TORCH[t.dtype].safetensors,
             "shape": list(t.shape),
             "data_offsets": [offset, offset + data.nbytes],
         }

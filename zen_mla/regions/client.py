@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from ._memfd import create_sealed_memfd
-from ._region_wire import MAX_MESSAGE, send_frame
-from .errors import (
+from ..errors import (
     BY_STATUS,
     DeadlineExceededError,
     InvalidInputError,
@@ -34,8 +32,10 @@ from .errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from .region_request import TensorPlace
-from .wire import NAMES
+from ..wire.dtypes import BY_TORCH
+from ..wire.regions_json import TensorPlace
+from .memfd import create_sealed_memfd
+from .protocol import MAX_MESSAGE, send_frame
 
 __all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet"]
 
@@ -165,7 +165,7 @@ class ClientRegion:
         return self.bytes[offset : offset + n].view(dtype).view(*shape)
 
     def place(self, offset: int, t: torch.Tensor) -> TensorPlace:
-        return TensorPlace(self.handle, offset, NAMES[t.dtype], tuple(t.shape))
+        return TensorPlace(self.handle, offset, BY_TORCH[t.dtype].safetensors, tuple(t.shape))
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where `t` lies in this region, if it is a contiguous CPU tensor inside it."""
