@@ -7,6 +7,8 @@
     │   └── WireFormatError                 the body is not a readable safetensors file  400
     ├── RequestRejectedError                the service refused the request as sent
     │   ├── UnauthorizedError               bad or missing bearer token                  401
+    │   ├── ForbiddenError                  a feature this server has switched off       403
+    │   ├── NotFoundError                   no such model, version or region             404
     │   ├── RequestTimeoutError (TimeoutError) headers or body slower than the limits 408
     │   ├── LengthRequiredError             no Content-Length                            411
     │   ├── BodyTooLargeError               Content-Length over the body limit           413
@@ -22,7 +24,9 @@
     └── ProtocolError                       client side: the answer broke the protocol      -
 
 `STATUS` maps each class to its status and `BY_STATUS` back; the service answers with the first
-and the client raises with the second, so an error arrives as the class it left as.
+and the client raises with the second, so an error arrives as the class it left as. Across the
+pool's process boundary an error travels as its parts (`parts_of`, `from_parts`), so a
+worker's InvalidInputError is one in the service too.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ __all__ = [
     "STATUS",
     "BodyTooLargeError",
     "DeadlineExceededError",
+    "ForbiddenError",
     "HeadersTooLargeError",
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
     "LengthRequiredError",
+    "NotFoundError",
     "OverloadedError",
     "PoolClosedError",
     "ProtocolError",
@@ -50,6 +56,9 @@ __all__ = [
     "WireFormatError",
     "WorkTooLargeError",
     "ZenMLAError",
+    "from_parts",
+    "parts_of",
+    "status_of",
 ]
 
 
@@ -207,3 +216,23 @@ def status_of(exc: ZenMLAError) -> int:
         if isinstance(exc, cls):
             return status
     return 500
+
+
+def parts_of(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:
+    """How an exception crosses a process boundary: its class name, its message, and for an
+    InvalidInputError its (name, expected, got, hint)."""
+    fields: tuple[str, ...] = ()
+    if isinstance(exc, InvalidInputError):
+        fields = (exc.name, exc.expected, exc.got, exc.hint)
+    return type(exc).__name__, str(exc), fields
+
+
+def from_parts(type_name: str, message: str, fields: tuple[str, ...]) -> ZenMLAError | None:
+    """The exception `parts_of` described, as the class it was, where that class is one of
+    this tree's; None for any other."""
+    cls = globals().get(type_name)
+    if not (isinstance(cls, type) and issubclass(cls, ZenMLAError) and type_name in __all__):
+        return None
+    if issubclass(cls, InvalidInputError):
+        return cls(*fields) if len(fields) == 4 else None
+    return cls(message)

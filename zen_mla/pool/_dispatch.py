@@ -17,7 +17,7 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
-from ..errors import KernelError, ServiceUnavailableError
+from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
 from ._job import PoolJob, TaskQueue, _Task
 from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
@@ -223,10 +223,16 @@ class Dispatcher:
         elif isinstance(outcome, Done):
             task.job._piece_done()
         else:
-            task.job._fail(
-                KernelError(f"worker {self.slot.id}: {outcome.error_type}: {outcome.message}")
-            )
+            task.job._fail(self._raised(outcome))
         return True
+
+    def _raised(self, failed: Failed) -> ZenMLAError:
+        """The worker's exception as the class it was raised as, where it is one of ours;
+        anything else is a KernelError saying what it was."""
+        raised = from_parts(failed.error_type, failed.message, failed.fields)
+        if raised is not None:
+            return raised
+        return KernelError(f"worker {self.slot.id}: {failed.error_type}: {failed.message}")
 
     def _check_idle(self) -> None:
         """Read the heartbeats of an idle worker; replace it if it died or fell silent (it holds

@@ -58,7 +58,9 @@ class PoolJob:
 
     kernel: str
     _future: Future[PoolResult] = field(default_factory=Future)
-    _pending: int = 0  # tasks not done yet; guarded by _lock (dispatcher threads finish them)
+    # tasks not done yet: set once before any dispatcher sees the job, then decremented under
+    # _lock by the dispatcher threads that finish them
+    _pending: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _finish: Callable[[PoolJob], None] | None = None
     queued_at: float = field(default_factory=time.perf_counter)

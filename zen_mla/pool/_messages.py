@@ -116,11 +116,14 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The task raised; the worker keeps none of its buffers mapped."""
+    """The task raised; the worker keeps none of its buffers mapped. `error_type` is the
+    exception's class name; for an InvalidInputError, `fields` are its (name, expected, got,
+    hint), so the pool raises it again as the same class with the same parts."""
 
     task_id: int
     error_type: str
     message: str
+    fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,12 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..errors import parts_of
 from ._messages import Beat, Done, Failed, Ready, RunTask, Stop, TaskSpec, ToSupervisor
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-#: descriptors one message may carry (a task names two buffers: its inputs and its outputs)
+#: descriptors one message may carry: a task names up to four buffers it has not mapped yet
+#: (inputs that may lie in up to three, and its outputs), with room to spare
 MAX_FDS = 8
 #: how often the watchdog looks for its parent, in seconds
 WATCH_INTERVAL = 0.2
@@ -170,7 +172,7 @@ def main(
                 os.close(fd)
             for b in spec.buffers:
                 maps.pop(b.id, None)
-            sender.send(Failed(msg.task_id, type(exc).__name__, str(exc)))
+            sender.send(Failed(msg.task_id, *parts_of(exc)))
         else:
             sender.send(Done(msg.task_id))
 

@@ -18,6 +18,7 @@ from .settings import DEFAULT_CONCURRENCY
 
 __all__ = [
     "ContextKV",
+    "PrefillResult",
     "Prefiller",
     "call",
     "check_out",

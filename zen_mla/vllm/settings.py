@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from ..client import PrefillClient
 from ..errors import InvalidInputError
 
-__all__ = ["DEFAULT_URL", "RemoteSettings", "default_settings", "service_ready"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_URL",
+    "RemoteSettings",
+    "default_settings",
+    "healthy",
+    "service_ready",
+]
 
 logger = logging.getLogger("zen_mla.vllm")
 

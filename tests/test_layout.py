@@ -1,0 +1,167 @@
+"""The tree shows the architecture (STYLE.md 16, 17): no import circle among the project's
+modules (imports inside functions count, `TYPE_CHECKING` blocks do not), imports flow one way
+(`service` -> `zen_mla`), no file over 400 lines, few modules loose at `zen_mla/`'s top, and
+every name one module imports from another is in that module's `__all__`."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("zen_mla", "service")
+MAX_LINES = 400
+MAX_LOOSE = 8
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, in functions too, but not under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _type_checking(node):
+            for other in node.orelse:  # only the else branch runs
+                if isinstance(other, ast.Import | ast.ImportFrom):
+                    yield other
+                yield from _imports(other)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _imports(node)
+
+
+def imported(name: str) -> Iterator[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for each import of module `name`; a name that
+    is itself a submodule is yielded as a module."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if is_package(name) else name.rpartition(".")[0]
+    for node in _imports(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+            continue
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1]
+            target = ".".join([*base, node.module] if node.module else base)
+        else:
+            target = node.module or ""
+        names = [a.name for a in node.names]
+        subs = [n for n in names if f"{target}.{n}" in MODULES]
+        yield target, [n for n in names if n not in subs]
+        for sub in subs:
+            yield f"{target}.{sub}", []
+
+
+def edges() -> dict[str, set[str]]:
+    """Module -> project modules it runs on import: what it names, and the packages above
+    those (their `__init__` runs first) that are not its own."""
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        out = graph.setdefault(name, set())
+        for target, _ in imported(name):
+            if target not in MODULES:
+                continue
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                ancestor = ".".join(parts[:i])
+                if ancestor in MODULES and not (name + ".").startswith(ancestor + "."):
+                    out.add(ancestor)
+            out.discard(name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    cycle = find_cycle(edges())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_flow_from_service_to_zen_mla_only():
+    for name, targets in edges().items():
+        if name.startswith("zen_mla"):
+            assert not any(t.startswith("service") for t in targets), name
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_file_over_400_lines(name):
+    lines = MODULES[name].read_text().count("\n")
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines"
+
+
+def test_few_modules_loose_at_the_top():
+    loose = sorted(p.name for p in (ROOT / "zen_mla").glob("*.py"))
+    assert len(loose) <= MAX_LOOSE, loose
+
+
+def test_what_one_module_imports_from_another_is_in_its_all():
+    missing = []
+    for name in MODULES:
+        for target, names in imported(name):
+            if target not in MODULES or target == name:
+                continue
+            if (name + ".").startswith(target + "."):
+                continue  # a package's own __init__, read by its modules
+            tree = ast.parse(MODULES[target].read_text())
+            public = _all(tree)
+            if public is None:
+                continue
+            missing += [f"{name}: {target}.{n}" for n in names if n not in public]
+    assert not missing, "\n".join(missing)
+
+
+def _all(tree: ast.Module) -> set[str] | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant)}
+    return None
