@@ -14,13 +14,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.service.servers import ROOT, Server
+from tests.service.servers import ROOT, Server, check_slow
 
 
 @contextlib.contextmanager
 def serve_on(port: int, log: Path, workers: int = 1) -> Iterator[Server]:
     """A server on 127.0.0.1:`port` once /health says ok; SIGTERM (SIGKILL after 30 s) when
     the block ends, unless it is gone by then."""
+    check_slow()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     args = [sys.executable, "-c", "from service.cli import main; main()", "serve"]
     args += ["--port", str(port), "--workers", str(workers)]

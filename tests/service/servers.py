@@ -1,5 +1,10 @@
 """Real `zen-mla serve` processes on loopback (or on a Unix socket) for the service tests, and
-waiting on them."""
+waiting on them.
+
+Starting one takes seconds, so a test that does is marked slow: through a fixture made with
+`server_fixture` (conftest.py marks every test that uses one, directly or through another
+fixture), or by hand where it calls `serve()` itself. `serve()` refuses to start a server for a
+test that is not marked slow, so the fast tier can never start one by mistake."""
 
 from __future__ import annotations
 
@@ -12,13 +17,41 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the names of the fixtures that start a server (`server_fixture`)
+SERVER_FIXTURES: set[str] = set()
+#: whether the test being run may start a server: it is marked slow (set by conftest.py)
+running_slow = True
+
+
+def server_fixture(**kwargs: Any) -> Callable[[F], F]:
+    """`pytest.fixture(**kwargs)` for a fixture that starts a server: the tests that use it are
+    marked slow (conftest.py)."""
+
+    def wrap(fn: F) -> F:
+        SERVER_FIXTURES.add(fn.__name__)
+        return pytest.fixture(**kwargs)(fn)  # type: ignore[no-any-return]
+
+    return wrap
+
+
+def check_slow() -> None:
+    """Raise unless the running test is marked slow (every server start calls this)."""
+    if not running_slow:
+        raise RuntimeError(
+            "this test starts a server but is not marked slow: mark it @pytest.mark.slow, or "
+            "take the server from a fixture made with server_fixture"
+        )
 
 
 def free_port() -> int:
@@ -52,6 +85,7 @@ def serve(
 ) -> Iterator[Server]:
     """`zen-mla serve` with `settings` as ZEN_MLA_* variables; `nofile`: its (soft, hard)
     RLIMIT_NOFILE."""
+    check_slow()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
     args = [sys.executable, "-c", "from service.cli import main; main()", "serve"]

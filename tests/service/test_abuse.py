@@ -28,7 +28,7 @@ from tests.service.raw import (
     send_quietly,
     wait_for,
 )
-from tests.service.servers import ROOT, Server, serve
+from tests.service.servers import ROOT, Server, serve, server_fixture
 
 # -- one server per parser: header cap, header timeout, connection cap, early answers ---------
 
@@ -40,7 +40,7 @@ LIMITS = {
 }
 
 
-@pytest.fixture(scope="module", params=["httptools", "h11"])
+@server_fixture(scope="module", params=["httptools", "h11"])
 def guarded(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp(request.param)
     with serve(tmp, workers=1, http=request.param, **LIMITS) as s:
@@ -232,6 +232,7 @@ def test_announced_bytes_that_do_not_come_commit_no_memory(tmp_path):
 # -- token, health ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_empty_token_is_refused_at_start():
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     done = subprocess.run(

@@ -25,7 +25,7 @@ from tests.service.raw import (
     read_answer,
     wait_for,
 )
-from tests.service.servers import Server, serve
+from tests.service.servers import Server, serve, server_fixture
 from zen_mla.wire import regions_json
 
 LOCKOUT_S = 15.0  # the contract's bound on a legitimate request's wait during an attack
@@ -77,7 +77,7 @@ def during(attack: Callable[[threading.Event], None], server: Server, settle_s: 
         t.join(30)
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Small limits, so that attacks fill them quickly: 4 upload slots, a 1 s grace."""
     with serve(
@@ -288,6 +288,7 @@ def test_health_answers_within_100_ms_during_a_request_at_the_sequence_cap(door)
 # -- 7: the connection cap ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_flood_of_idle_connections_does_not_keep_clients_out(tmp_path):
     """Defect 7: one process holding more idle sockets than the cap, reopening them as they
     close, kept every legitimate client out (0/20). At the cap a new connection now takes the
@@ -339,6 +340,7 @@ def test_a_flood_of_idle_connections_does_not_keep_clients_out(tmp_path):
         assert served == 20
 
 
+@pytest.mark.slow
 def test_at_the_cap_connections_with_a_request_in_flight_are_kept(tmp_path):
     """The connections a new one may displace are those without a request in flight: with
     every connection uploading, the next is refused (503), not anyone's request."""
@@ -361,6 +363,7 @@ def test_at_the_cap_connections_with_a_request_in_flight_are_kept(tmp_path):
 # -- 8: hang-ups -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hanging_up_on_running_work_restarts_no_worker(tmp_path):
     """Defect 8: a heavy request hung up 0.3 s in, over and over, restarted workers at will
     and took a legitimate request from 0.02 s to 4-7 s. Started work now runs to its end (its
@@ -470,6 +473,7 @@ def test_a_v2_request_id_is_capped_as_prefill_caps_it(door):
 # -- 22: lingering ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_early_413_reaches_a_client_that_sends_everything_before_reading(tmp_path):
     """Defect 22: with the body limit lowered to 1 MiB, a client that writes its whole 32 MiB
     body before reading (http.client, as many simple clients) got a broken pipe: lingering

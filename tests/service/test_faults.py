@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pytest
 import torch
 
 import zen_mla
@@ -36,6 +37,7 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_request_is_retried(tmp_path):
     with serve(tmp_path, workers=1) as server:
         x = slow_tensors(6000)
@@ -118,6 +120,7 @@ def test_clients_vanishing_100_times_leak_nothing(server):
         assert c.post("/prefill", content=upload, headers=OCTET).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_client_dribbling_its_body_is_cut_off_at_the_deadline(tmp_path):
     """The deadline bounds a body too, with the minimum rate off (test_abuse.py has it on)."""
     with serve(tmp_path, workers=1, deadline_s=2, min_body_rate=0) as server:

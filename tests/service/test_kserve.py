@@ -36,7 +36,7 @@ from tritonclient.utils import shared_memory as shm
 
 from tests.batches import BATCH_SPECS, EMPTY_SPECS, make_batch
 from tests.reference import assert_close_to_reference
-from tests.service.servers import Server, serve, wait_ready
+from tests.service.servers import Server, serve, server_fixture, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def client(server: Server) -> Iterator[InferenceServerClient]:
         yield c
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def shm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serve(
         tmp_path_factory.mktemp("kserve_shm"),
@@ -81,7 +81,7 @@ def shm_client(shm_server: Server) -> Iterator[InferenceServerClient]:
         yield c
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serve(tmp_path_factory.mktemp("kserve_token"), workers=1, api_token="s3cret") as s:
         yield s

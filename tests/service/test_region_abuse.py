@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.service.region_clients import during, open_fds, region_socket
-from tests.service.servers import Server, serve
+from tests.service.servers import Server, serve, server_fixture
 from zen_mla.regions.protocol import recv_frame
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ HELLO_TIMEOUT_S = 5.0  # RegionServer's default
 ATTACK_S = 4.0
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # 4096 descriptors: an attack that hoards them runs the server out within the test's time
     with serve(

@@ -16,6 +16,8 @@ from service.settings import Settings
 from zen_mla.engine import EngineConfig, PrefillEngine
 from zen_mla.pool import PoolConfig
 
+pytestmark = pytest.mark.slow  # a worker pool runs in this process, and the fuzzing takes long
+
 ENGINE = PrefillEngine(EngineConfig(PoolConfig(workers=1)))
 APP = create_app(Settings(workers=1, max_body_bytes=1 << 20, max_queue=64), engine=ENGINE)
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)

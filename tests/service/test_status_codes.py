@@ -125,6 +125,7 @@ def test_422_missing_tensor_and_work_cap(server):
     assert_healthy(server)
 
 
+@pytest.mark.slow
 def test_401_token(tmp_path):
     with serve(tmp_path, workers=1, api_token="s3cret") as server:
         body = body_of(good_tensors())
@@ -143,6 +144,7 @@ def test_401_token(tmp_path):
         assert out.shape == (sum([5, 64, 1, 33, 130]), 2, 32)
 
 
+@pytest.mark.slow
 def test_429_queue_full_then_retried(tmp_path):
     with serve(tmp_path, workers=1, max_queue=1) as server:
         slow = body_of(slow_tensors(), {"kernel": "reference", "causal": "false"})
@@ -170,6 +172,7 @@ def test_429_queue_full_then_retried(tmp_path):
         assert_healthy(server)
 
 
+@pytest.mark.slow
 def test_504_deadline_abandons_the_work_and_frees_the_worker(tmp_path):
     # The deadline leaves ample time (3 s) for the upload and the hand-over to the worker even
     # on a loaded machine, and ends far before the work would (~12 s): the worker is busy with
@@ -202,6 +205,7 @@ def test_504_deadline_abandons_the_work_and_frees_the_worker(tmp_path):
         assert_healthy(server)
 
 
+@pytest.mark.slow
 def test_500_when_workers_keep_dying(tmp_path):
     with serve(tmp_path, workers=1) as server:
         results = {}
@@ -230,6 +234,7 @@ def test_500_when_workers_keep_dying(tmp_path):
         assert prefill_once(server.url, good_tensors()).shape[0] == 233
 
 
+@pytest.mark.slow
 def test_503_while_draining_and_in_flight_work_finishes(tmp_path):
     with serve(tmp_path, workers=1, drain_timeout_s=60) as server:
         results = {}

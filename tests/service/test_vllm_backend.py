@@ -290,6 +290,7 @@ def _wait_up(link, timeout=60.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_again(
     tmp_path, caplog
 ):
@@ -340,6 +341,7 @@ def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_ag
     assert "2 calls were computed in this process" in back[1]
 
 
+@pytest.mark.slow
 def test_without_the_fallback_a_killed_service_is_an_error(tmp_path):
     port = free_port()
     with serve_on(port, tmp_path / "server.log") as s:
