@@ -8,11 +8,12 @@ import torch
 
 import zen_mla
 from tests.service.servers import free_port
-from zen_mla.client import PrefillClient, _Balancer
+from zen_mla.client import PrefillClient
+from zen_mla.client._base import Balancer
 
 
 def test_least_outstanding_work_wins():
-    bal = _Balancer(3)
+    bal = Balancer(3)
     bal.begin(0, 100)
     bal.begin(1, 10)
     assert bal.pick(set()) == 2
@@ -27,7 +28,7 @@ def test_least_outstanding_work_wins():
 
 
 def test_equal_load_rotates():
-    bal = _Balancer(2)
+    bal = Balancer(2)
     assert {bal.pick(set()) for _ in range(4)} == {0, 1}
 
 

@@ -1,0 +1,34 @@
+"""Clients of the zen-mla service, on httpx: `PrefillClient` and `AsyncPrefillClient`.
+
+    with PrefillClient("http://127.0.0.1:8000") as client:
+        out, lse = client.prefill(q, k, v, q_cu_seq_lens, return_lse=True)
+
+`prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device
+(CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
+zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
+
+`timeout` bounds a whole call (connect, send, wait, read, and the retries with their waits), not
+each read: past it, DeadlineExceededError. Every answer is checked against its request (`out`
+[Tq, H, Dv] in v's dtype, `lse` [H, Tq] float32 only when asked, no other names) and read only
+up to the bytes the request can need; an answer that breaks the protocol is a ProtocolError.
+Every failure is a ZenMLAError.
+
+Given several endpoints (`PrefillClient(["http://a:8000", "http://b:8000"])`), each request goes
+to the one with the least outstanding work (attention pairs in flight); an unreachable or
+overloaded endpoint is passed over for another.
+
+On the service's host, tensors need not cross a socket: with `shared_memory=None` (the default)
+the client uses same-host regions wherever the service offers them and their socket can be
+reached from here, `True` requires them, `False` never uses them. A request's tensors are then
+copied once into a region the client holds (or not at all, for tensors made with `empty()`),
+and the workers read them and write the results there.
+
+The modules behind it: `_base` (all the twins share: the request, the deadline, endpoints,
+retries), `_answers` (answers read and checked, problems as exceptions), `_sync` and `_async`
+(their I/O), `_transport` (the blocking client's sockets, bounded by the call's deadline).
+"""
+
+from ._async import AsyncPrefillClient
+from ._sync import PrefillClient
+
+__all__ = ["AsyncPrefillClient", "PrefillClient"]

@@ -1,0 +1,223 @@
+"""What the service answers, read and checked: the body up to what a request can need, the
+results against the request, a problem+json as the exception the service raised, /health."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from .. import errors, wire
+from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolError, ZenMLAError
+from ..regions.client import Layout
+from ..wire import regions_json
+from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
+
+__all__ = ["Body", "Outputs", "PrefillResult", "answered", "decoded", "health_json", "problem"]
+
+MAX_PROBLEM_BYTES = 64 << 10  # of an error's body; the rest is not read
+
+PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _content_length(headers: httpx.Headers) -> int | None:
+    values = set(headers.get_list("content-length"))
+    if not values:
+        return None
+    text = values.pop()
+    if values or not (text.isascii() and text.isdigit() and len(text) <= 20):
+        raise ProtocolError(f"Content-Length: expected a number of bytes, got {text!r:.40}")
+    return int(text)
+
+
+class Body:
+    """An answer's bytes as they come, never more than `limit`: an answer announced or running
+    past it is a ProtocolError before the rest is read; with `cut`, the rest is left unread.
+    `check` runs before each chunk is kept (the call's deadline: a transport of the caller's own
+    may wait on each read as long as it likes)."""
+
+    def __init__(
+        self, headers: httpx.Headers, limit: int, check: Callable[[], None], cut: bool
+    ) -> None:
+        self.length = _content_length(headers)
+        self._limit, self._check, self._cut, self._pos = limit, check, cut, 0
+        # False: nothing is to be read (a problem announced past its cap is not waited for)
+        self.wanted = self.length is None or self.length <= limit
+        if not self.wanted and not cut:
+            raise ProtocolError(
+                f"the service announced a {self.length}-byte answer; "
+                f"this request's is at most {limit} bytes"
+            )
+        # where the length is known, the answer lands in one buffer of that size (the decoded
+        # tensors are views of it)
+        self.buf = bytearray(self.length if self.length is not None and not cut else 0)
+
+    @classmethod
+    def of(cls, status: int, headers: httpx.Headers, limit: int, check: Callable[[], None]) -> Body:
+        """200: the answer, `limit` bytes at most; another status: its problem, cut short."""
+        if status == 200:
+            return cls(headers, limit, check, cut=False)
+        return cls(headers, MAX_PROBLEM_BYTES, check, cut=True)
+
+    def take(self, chunk: bytes) -> bool:
+        """Keep `chunk`; False once no more is to be read."""
+        self._check()
+        end = self._pos + len(chunk)
+        if end > self._limit:
+            if self._cut:
+                self.buf += chunk[: self._limit - self._pos]
+                return False
+            raise ProtocolError(
+                f"the service's answer runs past {self._limit} bytes, the most this request needs"
+            )
+        if self.length is not None and not self._cut:
+            if end > self.length:
+                raise ProtocolError(f"the answer runs past its Content-Length of {self.length}")
+            self.buf[self._pos : end] = chunk
+        else:
+            self.buf += chunk
+        self._pos = end
+        return True
+
+    def whole(self) -> bytearray:
+        if self.wanted and self.length is not None and not self._cut and self._pos != self.length:
+            raise ProtocolError(f"the answer ended after {self._pos} of its {self.length} bytes")
+        return self.buf
+
+
+def _json_object(body: bytes | bytearray) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def problem(status: int, body: bytes | bytearray, headers: httpx.Headers) -> ZenMLAError:
+    """The exception the service raised, from its problem+json (one table: `errors`), its fix
+    hint included; a body that is not a JSON object still gives the status's class."""
+    found = _json_object(body)
+    if found is None:
+        found = {"detail": bytes(body[:200]).decode("utf-8", "replace") or f"HTTP {status}"}
+    name = str(found.get("type", "")).rpartition(":")[2]
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ZenMLAError)):
+        cls = BY_STATUS.get(status, ZenMLAError)
+    detail = str(found.get("detail") or f"HTTP {status}")[:2000]
+    if issubclass(cls, InvalidInputError):
+        hint = found.get("hint")
+        return cls(
+            str(found.get("tensor") or "body"),
+            str(found.get("expected") or "a valid request"),
+            str(found.get("got") or detail),
+            hint if isinstance(hint, str) else "",
+        )
+    if issubclass(cls, OverloadedError):
+        retry = headers.get("retry-after")
+        ok = retry is not None and retry.isascii() and retry.isdigit()
+        return cls(detail, float(retry) if ok and retry else None)
+    return cls(detail)
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """What the answer to a request must hold, by name: (shape, dtype as safetensors names it).
+    `out` [Tq, H, Dv] in v's dtype; `lse` [H, Tq] float32, only when asked."""
+
+    want: dict[str, tuple[tuple[int, ...], str]]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], return_lse: bool) -> Outputs:
+        q, v = tensors["q"], tensors["v"]
+        tq, heads = int(q.shape[0]), int(q.shape[1])
+        want: dict[str, tuple[tuple[int, ...], str]] = {
+            "out": ((tq, heads, int(v.shape[2])), BY_TORCH[v.dtype].safetensors)
+        }
+        if return_lse:
+            want["lse"] = ((heads, tq), "F32")
+        return cls(want)
+
+    @property
+    def return_lse(self) -> bool:
+        return "lse" in self.want
+
+    @property
+    def max_answer(self) -> int:
+        """The most bytes a safetensors answer can take: the header cap and the tensors."""
+        data = sum(math.prod(s) * BY_SAFETENSORS[d].torch.itemsize for s, d in self.want.values())
+        return 8 + wire.MAX_HEADER_BYTES + data
+
+    def check(self, got: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+        if set(got) != set(self.want):
+            raise ProtocolError(
+                f"answer: expected tensors {sorted(self.want)}, got {sorted(got)[:5]}"
+            )
+        for name, (shape, dtype) in self.want.items():
+            if got[name] != (shape, dtype):
+                raise ProtocolError(
+                    f"{name}: expected {dtype} {list(shape)}, got {got[name][1]} "
+                    f"{list(got[name][0])}"
+                )
+
+
+def decoded(
+    status: int,
+    body: bytearray,
+    headers: httpx.Headers,
+    outputs: Outputs,
+    device: torch.device,
+) -> PrefillResult:
+    """The results in a /prefill answer, checked against the request, on the caller's device."""
+    if status != 200:
+        raise problem(status, body, headers)
+    try:
+        # ValueError: torch.frombuffer of no bytes, and the decoder's errors (a ValueError each)
+        raw = torch.frombuffer(body, dtype=torch.uint8)
+        tensors, _meta = wire.decode(raw, wire.RESPONSE_TENSORS)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"the answer is not a readable safetensors file: {exc}") from exc
+    outputs.check({n: (tuple(t.shape), BY_TORCH[t.dtype].safetensors) for n, t in tensors.items()})
+    out = tensors["out"].to(device)
+    if outputs.return_lse:
+        return out, tensors["lse"].to(device)
+    return out
+
+
+def answered(
+    status: int,
+    body: bytearray,
+    headers: httpx.Headers,
+    layout: Layout,
+    outputs: Outputs,
+    device: torch.device,
+) -> PrefillResult:
+    """The results a region request's answer points at, checked against the request and copied
+    out of the scratch region (which the next request reuses), on the caller's device."""
+    if status != 200:
+        raise problem(status, body, headers)
+    try:
+        answer = regions_json.decode(bytes(body), wire.RESPONSE_TENSORS)
+    except ZenMLAError as exc:
+        raise ProtocolError(f"the answer is not a readable region answer: {exc}") from exc
+    outputs.check({n: (p.shape, p.dtype) for n, p in answer.places.items()})
+    for name, place in answer.places.items():
+        if place != layout.places[name]:
+            raise ProtocolError(f"{name}: expected written at {layout.places[name]}, got {place}")
+    out = layout.out.to(device, copy=True)
+    if layout.lse is None:
+        return out
+    return out, layout.lse.to(device, copy=True)
+
+
+def health_json(status: int, body: bytearray) -> dict[str, Any]:
+    health = _json_object(body)
+    if health is None:
+        raise ProtocolError(
+            f"/health: expected a JSON object, got HTTP {status} with {bytes(body[:80])!r}"
+        )
+    return health

@@ -1,0 +1,158 @@
+"""`AsyncPrefillClient`: the asyncio client, its I/O only (the rest is `BaseClient`'s)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from ..errors import SharedMemoryUnavailableError, ZenMLAError
+from ..regions.client import RegionSet
+from ._answers import Body, PrefillResult, health_json
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Deadline, Exchange, Translated
+
+__all__ = ["AsyncPrefillClient"]
+
+
+@contextlib.asynccontextmanager
+async def _async_call(deadline: Deadline) -> AsyncIterator[None]:
+    """The call's task is cancelled at the deadline, whatever it awaits."""
+    try:
+        async with asyncio.timeout(deadline.remaining()) as scope:
+            yield
+    except TimeoutError as exc:
+        if scope.expired() and not isinstance(exc, ZenMLAError):
+            raise deadline.exceeded() from exc
+        raise
+
+
+async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
+
+
+class AsyncPrefillClient(BaseClient):
+    """asyncio client; the same arguments and behaviour as `PrefillClient` (a call past its
+    timeout is cancelled, whatever transport it has)."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        uds: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+        shared_memory: bool | None = None,
+    ) -> None:
+        super().__init__(
+            url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory
+        )
+        if transport is None and uds is not None:
+            transport = httpx.AsyncHTTPTransport(uds=uds)
+        self._http = [
+            httpx.AsyncClient(base_url=u, timeout=timeout, transport=transport) for u in self._urls
+        ]
+        self._regions_lock = asyncio.Lock()  # guards self._regions
+
+    async def regions(self, i: int = 0) -> RegionSet | None:
+        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        deadline = self._deadline()
+        async with _async_call(deadline):
+            with Translated(deadline, i):
+                return await self._regions_for(i, deadline)
+
+    async def _regions_for(self, i: int, deadline: Deadline) -> RegionSet | None:
+        if self._shared_memory is False:
+            return None
+        async with self._regions_lock:
+            if i not in self._regions:
+                status, _, body = await self._send(i, HEALTH, deadline)
+                self._regions[i] = await asyncio.to_thread(self._offered_regions, status, body)
+            return self._regions[i]
+
+    async def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """As `PrefillClient.empty`."""
+        regions = await self.regions(0)
+        if regions is None:
+            raise SharedMemoryUnavailableError("shared memory is off for this client")
+        return await asyncio.to_thread(regions.empty, shape, dtype)
+
+    async def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        """As `PrefillClient.prefill`."""
+        call = self._call(
+            q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
+            causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
+            request_id=request_id,
+        )  # fmt: skip
+        async with _async_call(call.deadline):
+            while True:
+                with call.attempt() as i:
+                    return await self._attempt(i, call)
+                await asyncio.sleep(call.wait)
+
+    async def _attempt(self, i: int, call: Call) -> PrefillResult:
+        regions = await self._regions_for(i, call.deadline)
+        if regions is None:
+            status, headers, body = await self._send(i, call.post(), call.deadline)
+            return call.decoded(status, body, headers)
+        # the copies into the region and out of it run in a thread: the event loop stays free
+        stack = contextlib.ExitStack()
+        layout = await asyncio.to_thread(
+            stack.enter_context, regions.request(call.tensors, call.outputs.return_lse)
+        )
+        with stack:
+            status, headers, body = await self._send(i, call.region_post(layout), call.deadline)
+            return await asyncio.to_thread(call.answered, status, body, headers, layout)
+
+    async def _send(
+        self, i: int, x: Exchange, deadline: Deadline
+    ) -> tuple[int, httpx.Headers, bytearray]:
+        """As `PrefillClient._send`."""
+        content = _parts(x.content) if isinstance(x.content, list) else x.content
+        async with self._http[i].stream(
+            x.method, x.path, content=content, headers=x.headers
+        ) as answer:
+            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check)
+            if body.wanted:
+                async for chunk in answer.aiter_raw():
+                    if not body.take(chunk):
+                        break
+        return answer.status_code, answer.headers, body.whole()
+
+    async def health(self) -> dict[str, Any]:
+        """As `PrefillClient.health`."""
+        deadline = self._deadline()
+        async with _async_call(deadline):
+            with Translated(deadline, 0):
+                status, _, body = await self._send(0, HEALTH, deadline)
+        return health_json(status, body)
+
+    async def aclose(self) -> None:
+        for http in self._http:
+            await http.aclose()
+        self._close_regions()
+
+    async def __aenter__(self) -> AsyncPrefillClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,395 @@
+"""What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the request built and
+checked, one call's deadline, the choice of endpoint, what a failed attempt leads to, and the
+translation of transport errors."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import httpx
+import torch
+
+from .. import wire
+from ..attention.batch import visible_pairs
+from ..errors import (
+    DeadlineExceededError,
+    InvalidInputError,
+    OverloadedError,
+    ProtocolError,
+    ServiceUnavailableError,
+    SharedMemoryUnavailableError,
+    ZenMLAError,
+)
+from ..regions.client import Layout, RegionClient, RegionSet
+from ..wire import regions_json
+from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
+from ._answers import Outputs, PrefillResult, answered, decoded, health_json
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "HEALTH",
+    "Balancer",
+    "BaseClient",
+    "Call",
+    "Deadline",
+    "Exchange",
+    "Translated",
+]
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.0)
+# httpcore sends a body part with `while buf: n = sock.send(buf); buf = buf[n:]` after h11 joins
+# it into bytes: one huge part costs quadratic copying (measured: 0.1 GB/s at 256 MiB). Parts of
+# this size keep it to about one copy.
+SEND_PART = 256 << 10
+MAX_RETRY_WAIT = 30.0
+DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
+MAX_HEALTH_BYTES = 1 << 20  # of /health's JSON
+REGION_TIMEOUT = 10.0  # seconds, at most, for one exchange on the region socket
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One HTTP exchange to send: `content` as bytes or in parts, a 200's body read up to
+    `limit` bytes (`Body`)."""
+
+    method: str
+    path: str
+    limit: int
+    content: bytes | list[bytes | memoryview] | None = None
+    headers: dict[str, str] | None = None
+
+
+HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)
+
+
+def _tensors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu_seq_lens}
+    if kv_cu_seq_lens is not None:
+        tensors["kv_cu_seq_lens"] = kv_cu_seq_lens
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
+        if name in ("q", "k", "v") and t.ndim != 3:
+            raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
+        if t.dtype not in BY_TORCH:
+            raise InvalidInputError(
+                name, f"a dtype among {', '.join(BY_SAFETENSORS)}", str(t.dtype)
+            )
+    return tensors
+
+
+def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causal: bool) -> int:
+    """The request's weight for balancing: heads x visible (query, key) pairs."""
+    qc = q_cu.tolist()
+    kc = kv_cu.tolist() if kv_cu is not None else qc
+    pairs = sum(
+        visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
+    )
+    return int(q.shape[1]) * pairs if q.ndim == 3 else pairs
+
+
+def _authorized(headers: dict[str, str], token: str | None) -> dict[str, str]:
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+# -- one call, one deadline ----------------------------------------------------------------------
+
+
+def _budget(timeout: httpx.Timeout | float) -> float | None:
+    """A whole call's seconds: a number as it is; an httpx.Timeout's longest phase (None, no
+    bound, when a phase has none)."""
+    if isinstance(timeout, httpx.Timeout):
+        phases = (timeout.connect, timeout.read, timeout.write, timeout.pool)
+        return None if any(p is None for p in phases) else max(p for p in phases if p is not None)
+    return float(timeout)
+
+
+class Deadline:
+    """When one call (connect, send, wait, read, and the retries with their waits) must end."""
+
+    def __init__(self, budget: float | None) -> None:
+        self.budget = budget
+        self._at = None if budget is None else time.monotonic() + budget
+
+    def remaining(self) -> float | None:
+        """Seconds left, <= 0 once past; None without a bound."""
+        return None if self._at is None else self._at - time.monotonic()
+
+    def check(self) -> None:
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise self.exceeded()
+
+    def exceeded(self) -> DeadlineExceededError:
+        return DeadlineExceededError(f"no answer within the call's timeout of {self.budget:g} s")
+
+
+# -- endpoints, failures, retries ----------------------------------------------------------------
+
+
+class Balancer:
+    """Outstanding work per endpoint; `pick` gives the least loaded one not passed over."""
+
+    def __init__(self, n: int) -> None:
+        self.outstanding = [0] * n
+        self.down_until = [0.0] * n
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+
+    def pick(self, tried: set[int]) -> int:
+        now = time.monotonic()
+        with self._lock:
+            n = len(self.outstanding)
+            candidates = [i for i in range(n) if i not in tried] or list(range(n))
+            up = [i for i in candidates if self.down_until[i] <= now] or candidates
+            turn = next(self._turn)
+            return min(up, key=lambda i: (self.outstanding[i], (i - turn) % n))
+
+    def begin(self, i: int, work: int) -> None:
+        with self._lock:
+            self.outstanding[i] += work
+
+    def end(self, i: int, work: int) -> None:
+        with self._lock:
+            self.outstanding[i] -= work
+
+    def down(self, i: int) -> None:
+        with self._lock:
+            self.down_until[i] = time.monotonic() + DOWN_FOR
+
+
+def _transport_error(exc: httpx.TransportError, deadline: Deadline, i: int) -> ZenMLAError:
+    """The one place transport errors become zen_mla exceptions."""
+    if isinstance(exc, httpx.TimeoutException):
+        left = deadline.remaining()
+        if left is not None and left <= 0:
+            return deadline.exceeded()
+        return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
+    return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
+
+
+class Translated:
+    """Within the block, a transport error with endpoint `i` is raised as its zen_mla exception."""
+
+    def __init__(self, deadline: Deadline, i: int) -> None:
+        self._deadline, self._i = deadline, i
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, httpx.TransportError):
+            raise _transport_error(exc, self._deadline, self._i) from exc
+
+
+def _retry_wait(exc: OverloadedError, attempt: int) -> float:
+    return min(exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt, MAX_RETRY_WAIT)
+
+
+def _next_step(
+    exc: Exception,
+    i: int,
+    tried: set[int],
+    n: int,
+    attempt: int,
+    retries: int,
+    bal: Balancer,
+    deadline: Deadline,
+) -> float:
+    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
+    wait that would end past the call's deadline is not waited: the error is raised now."""
+    tried.add(i)
+    if isinstance(exc, httpx.TransportError):
+        error = _transport_error(exc, deadline, i)
+        if isinstance(error, DeadlineExceededError):
+            raise error from exc
+        bal.down(i)
+        if attempt >= retries or len(tried) >= n:
+            raise error from exc
+        return 0.0
+    if not isinstance(exc, OverloadedError) or attempt >= retries:
+        raise exc
+    if len(tried) < n:
+        return 0.0  # another endpoint may have room now
+    tried.clear()
+    wait = _retry_wait(exc, attempt)
+    left = deadline.remaining()
+    if left is not None and wait >= left:
+        exc.add_note(f"not retried: the wait of {wait:g} s ends past the call's timeout")
+        raise exc
+    return wait
+
+
+# -- one prefill call ----------------------------------------------------------------------------
+
+
+class Call:
+    """One prefill call across its attempts: the checked request, its deadline, the endpoints
+    tried. The twins run `attempt()` blocks until one returns, waiting `wait` between them."""
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        options: dict[str, str],
+        outputs: Outputs,
+        work: int,
+        client: BaseClient,
+    ) -> None:
+        self.tensors, self.options, self.outputs = tensors, options, outputs
+        self.device = tensors["q"].device
+        self.deadline = Deadline(client._budget)
+        self.wait = 0.0  # seconds before the next attempt, once one failed
+        self._work, self._client = work, client
+        self._tried: set[int] = set()
+        self._attempts = 0
+        self._post: Exchange | None = None
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[int]:
+        """The endpoint for the next attempt, its work counted there until the block ends. A
+        failure that earns another attempt ends the block (`wait` says when); others are raised."""
+        self.deadline.check()
+        client = self._client
+        i = client._balancer.pick(self._tried)
+        client._balancer.begin(i, self._work)
+        try:
+            yield i
+        except (OverloadedError, httpx.TransportError) as exc:
+            self.wait = _next_step(
+                exc, i, self._tried, len(client._urls), self._attempts, client._retries,
+                client._balancer, self.deadline,
+            )  # fmt: skip
+        finally:
+            client._balancer.end(i, self._work)
+            self._attempts += 1
+
+    def post(self) -> Exchange:
+        """The request as a safetensors body, in parts (encoded once, whichever attempt sends
+        it); the tensors go over as CPU tensors."""
+        if self._post is None:
+            header, chunks = wire.encode(
+                {n: t.detach().cpu() for n, t in self.tensors.items()}, self.options
+            )
+            parts: list[bytes | memoryview] = [header]
+            for chunk in chunks:
+                parts.extend(chunk[i : i + SEND_PART] for i in range(0, chunk.nbytes, SEND_PART))
+            length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
+            limit = self.outputs.max_answer
+            self._post = Exchange("POST", "/prefill", limit, parts, self._client._auth(headers))
+        return self._post
+
+    def region_post(self, layout: Layout) -> Exchange:
+        """The request naming where its tensors lie in the client's regions."""
+        headers = self._client._auth({"Content-Type": regions_json.MEDIA_TYPE})
+        content = regions_json.encode(layout.places, self.options)
+        return Exchange("POST", "/prefill", wire.MAX_HEADER_BYTES, content, headers)
+
+    def decoded(self, status: int, body: bytearray, headers: httpx.Headers) -> PrefillResult:
+        """The results in the answer to `post()`."""
+        return decoded(status, body, headers, self.outputs, self.device)
+
+    def answered(
+        self, status: int, body: bytearray, headers: httpx.Headers, layout: Layout
+    ) -> PrefillResult:
+        """The results in the answer to `region_post(layout)`, copied out of the region."""
+        return answered(status, body, headers, layout, self.outputs, self.device)
+
+
+class BaseClient:
+    """The state the twins share: endpoints, their balance, the regions asked for per endpoint."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        token: str | None,
+        timeout: httpx.Timeout | float,
+        retries: int,
+        shared_memory: bool | None,
+    ) -> None:
+        self._urls = [url] if isinstance(url, str) else list(url)
+        if not self._urls:
+            raise InvalidInputError("url", "one endpoint URL or more", "none")
+        self._balancer = Balancer(len(self._urls))
+        self._token, self._retries = token, retries
+        self._budget = _budget(timeout)
+        self._shared_memory = shared_memory
+        # per endpoint: its regions, None where there are none, missing until first asked
+        self._regions: dict[int, RegionSet | None] = {}
+
+    def _auth(self, headers: dict[str, str]) -> dict[str, str]:
+        return _authorized(headers, self._token)
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self._budget)
+
+    def _call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None,
+        *,
+        causal: bool,
+        return_lse: bool,
+        scale: float | None,
+        kernel: str,
+        request_id: str | None,
+    ) -> Call:
+        """A prefill call of checked options and tensors, as `prefill` takes them."""
+        options = wire.options_metadata(
+            causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
+        )
+        tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        outputs = Outputs.of(tensors, return_lse)
+        work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
+        return Call(tensors, options, outputs, work, self)
+
+    def _offered_regions(self, status: int, body: bytearray) -> RegionSet | None:
+        """The same-host regions of the service whose /health answer this is, or None where they
+        cannot be had (SharedMemoryUnavailableError instead when required). The region socket
+        must answer with the instance /health names: a path that exists here may belong to
+        another service than the one at this URL. Blocking: it connects to the region socket."""
+        timeout = min(REGION_TIMEOUT, self._budget or REGION_TIMEOUT)
+        try:
+            try:
+                offer = health_json(status, body).get("shared_memory")
+            except ProtocolError as exc:
+                raise SharedMemoryUnavailableError(f"no regions offered: {exc}") from exc
+            if not isinstance(offer, dict) or not offer.get("socket"):
+                raise SharedMemoryUnavailableError("the service offers no shared memory")
+            client = RegionClient(str(offer["socket"]), self._token, timeout)
+            if client.hello.get("instance") != offer.get("instance"):
+                client.close()
+                raise SharedMemoryUnavailableError(
+                    f"the region socket {offer['socket']} belongs to another service "
+                    "(not this host's?)"
+                )
+        except SharedMemoryUnavailableError:
+            if self._shared_memory:
+                raise
+            return None
+        return RegionSet(client)
+
+    def _close_regions(self) -> None:
+        for regions in self._regions.values():
+            if regions is not None:
+                regions.close()

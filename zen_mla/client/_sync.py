@@ -1,0 +1,142 @@
+"""`PrefillClient`: the blocking client, its I/O only (the rest is `BaseClient`'s)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from ..errors import SharedMemoryUnavailableError
+from ..regions.client import RegionSet
+from ._answers import Body, PrefillResult, health_json
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Deadline, Exchange, Translated
+from ._transport import DeadlineTransport, sync_call
+
+__all__ = ["PrefillClient"]
+
+
+class PrefillClient(BaseClient):
+    """Blocking client; keep-alive connections, reused across calls and threads.
+
+    `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
+    the host part is only a name. `token`: bearer token when the service has one. `timeout`:
+    seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
+    for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried.
+    With a `transport` of your own, its sockets' reads wait as long as it lets them; the call's
+    deadline is checked between them.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        uds: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+        shared_memory: bool | None = None,
+    ) -> None:
+        super().__init__(
+            url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory
+        )
+        self._http = [
+            httpx.Client(base_url=u, timeout=timeout, transport=transport or DeadlineTransport(uds))
+            for u in self._urls
+        ]
+        self._regions_lock = threading.Lock()  # guards self._regions
+
+    def regions(self, i: int = 0) -> RegionSet | None:
+        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        deadline = self._deadline()
+        with sync_call(deadline), Translated(deadline, i):
+            return self._regions_for(i, deadline)
+
+    def _regions_for(self, i: int, deadline: Deadline) -> RegionSet | None:
+        if self._shared_memory is False:
+            return None
+        with self._regions_lock:
+            if i not in self._regions:
+                status, _, body = self._send(i, HEALTH, deadline)
+                self._regions[i] = self._offered_regions(status, body)
+            return self._regions[i]
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in a region of the first endpoint's service: fill it and pass it to
+        `prefill`, which then sends no copy of it (SharedMemoryUnavailableError where the
+        service offers no regions reachable from here)."""
+        regions = self.regions(0)
+        if regions is None:
+            raise SharedMemoryUnavailableError("shared memory is off for this client")
+        return regions.empty(shape, dtype)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        kernel: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        """As `zen_mla.ragged_attention`, computed by the service."""
+        call = self._call(
+            q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
+            causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
+            request_id=request_id,
+        )  # fmt: skip
+        with sync_call(call.deadline):
+            while True:
+                with call.attempt() as i:
+                    return self._attempt(i, call)
+                time.sleep(call.wait)
+
+    def _attempt(self, i: int, call: Call) -> PrefillResult:
+        regions = self._regions_for(i, call.deadline)
+        if regions is None:
+            status, headers, body = self._send(i, call.post(), call.deadline)
+            return call.decoded(status, body, headers)
+        with regions.request(call.tensors, call.outputs.return_lse) as layout:
+            status, headers, body = self._send(i, call.region_post(layout), call.deadline)
+            return call.answered(status, body, headers, layout)
+
+    def _send(
+        self, i: int, x: Exchange, deadline: Deadline
+    ) -> tuple[int, httpx.Headers, bytearray]:
+        """Status, headers and body of one exchange with endpoint i."""
+        # parts (memoryviews too) go to the socket as they are (httpx's annotation says bytes)
+        content: Any = iter(x.content) if isinstance(x.content, list) else x.content
+        with self._http[i].stream(x.method, x.path, content=content, headers=x.headers) as answer:
+            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check)
+            if body.wanted:
+                for chunk in answer.iter_raw():
+                    if not body.take(chunk):
+                        break
+        return answer.status_code, answer.headers, body.whole()
+
+    def health(self) -> dict[str, Any]:
+        """The first endpoint's /health JSON (also when it answers 503)."""
+        deadline = self._deadline()
+        with sync_call(deadline), Translated(deadline, 0):
+            status, _, body = self._send(0, HEALTH, deadline)
+        return health_json(status, body)
+
+    def close(self) -> None:
+        for http in self._http:
+            http.close()
+        self._close_regions()
+
+    def __enter__(self) -> PrefillClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,113 @@
+"""The blocking client's transport: httpx's, with sockets that wait at most what the calling
+thread's call has left."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import httpcore
+import httpx
+
+from ._base import Deadline
+
+__all__ = ["DeadlineTransport", "sync_call"]
+
+# The calling thread's call (PrefillClient sets it for the call's length): its sockets' reads
+# and writes wait at most what the call has left.
+_CALL_DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "zen_mla_call_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def sync_call(deadline: Deadline) -> Iterator[None]:
+    token = _CALL_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _CALL_DEADLINE.reset(token)
+
+
+def _op_timeout(timeout: float | None, late: type[Exception]) -> float | None:
+    """A socket operation's timeout, cut to what the calling thread's call has left."""
+    deadline = _CALL_DEADLINE.get()
+    left = None if deadline is None else deadline.remaining()
+    if left is None:
+        return timeout
+    if left <= 0:
+        raise late("the call's timeout has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _op_timeout(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _op_timeout(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(
+            self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        )
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class DeadlineTransport(httpx.HTTPTransport):
+    """httpx's transport whose sockets wait at most what the calling thread's call has left.
+
+    httpx bounds each read, and an answer trickled a byte at a time (headers too, which httpcore
+    reads in its own loop) never trips that; the asyncio client cancels its call instead."""
+
+    def __init__(self, uds: str | None) -> None:
+        ssl_context = httpx.create_ssl_context()
+        super().__init__(verify=ssl_context, uds=uds)
+        # httpx takes no network backend: its pool is made again, as httpx makes it, with one
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=ssl_context,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            uds=uds,
+            network_backend=_DeadlineBackend(),
+        )
