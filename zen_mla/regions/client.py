@@ -10,11 +10,9 @@ it lies, without a copy; the region is unregistered once the tensor is gone.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -35,12 +33,11 @@ from ..errors import (
 from ..wire.dtypes import BY_TORCH
 from ..wire.regions_json import TensorPlace
 from .memfd import create_sealed_memfd
-from .protocol import MAX_MESSAGE, send_frame
+from .protocol import FrameError, decode_object, recv_frame, send_frame
 
 __all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet"]
 
 ALIGN = 64
-_LEN = struct.Struct(">I")  # a region socket frame's length, as _region_wire writes it
 MIN_SCRATCH = 16 << 20
 
 
@@ -52,9 +49,10 @@ class RegionClient:
     """One connection to one service's region socket; one request at a time (a lock).
 
     `timeout` bounds each exchange as a whole (send, wait, read), whatever the other end does;
-    a reply is read up to `MAX_MESSAGE` bytes. A failed exchange closes the connection (its
-    regions end with it): timed out, DeadlineExceededError; a reply that is not a frame of a
-    JSON object, ProtocolError; the socket gone, SharedMemoryUnavailableError.
+    a reply is read by the protocol's one reader (`recv_frame`), up to `MAX_MESSAGE` bytes. A
+    failed exchange closes the connection (its regions end with it): timed out,
+    DeadlineExceededError; a reply that is not a frame of a JSON object, ProtocolError; the
+    socket gone, SharedMemoryUnavailableError.
     """
 
     def __init__(self, path: str, token: str | None, timeout: float = 10.0) -> None:
@@ -75,7 +73,7 @@ class RegionClient:
                 deadline = time.monotonic() + self._timeout
                 self._sock.settimeout(self._timeout)
                 send_frame(self._sock, message, fd)
-                reply = self._receive(deadline)
+                reply = recv_frame(self._sock, deadline, decode_object)
             except TimeoutError as exc:
                 self._sock.close()
                 raise DeadlineExceededError(
@@ -84,39 +82,12 @@ class RegionClient:
             except OSError as exc:
                 self._sock.close()
                 raise SharedMemoryUnavailableError(f"the region socket failed: {exc}") from exc
-            except ProtocolError:
+            except FrameError as exc:
                 self._sock.close()
-                raise
+                raise ProtocolError(f"the region socket's reply: {exc}"[:300]) from exc
         if reply.get("ok") is not True:
             raise _refusal(reply)
         return reply
-
-    def _receive(self, deadline: float) -> dict[str, Any]:
-        """One reply, whole by `deadline`; a frame announced over MAX_MESSAGE is refused before
-        its bytes are read."""
-        (n,) = _LEN.unpack(self._exactly(_LEN.size, deadline))
-        if n > MAX_MESSAGE:
-            raise ProtocolError(f"the region socket announced a {n}-byte reply (<= {MAX_MESSAGE})")
-        try:
-            reply = json.loads(self._exactly(n, deadline))
-        except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError
-            raise ProtocolError(f"the region socket answered no JSON ({exc})"[:300]) from None
-        if not isinstance(reply, dict):
-            raise ProtocolError(f"the region socket answered a JSON {type(reply).__name__}")
-        return reply
-
-    def _exactly(self, n: int, deadline: float) -> bytes:
-        data = bytearray()
-        while len(data) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self._sock.settimeout(left)
-            chunk = self._sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("the region socket closed")
-            data += chunk
-        return bytes(data)
 
     def register(self, fd: int) -> str:
         handle = self._call({"op": "register"}, fd).get("region")

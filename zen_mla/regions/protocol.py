@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "MAX_MESSAGE",
     "FrameError",
     "FrameReader",
+    "decode_message",
+    "decode_object",
     "encode_frame",
     "recv_frame",
     "send_frame",
@@ -32,6 +36,7 @@ __all__ = [
 MAX_MESSAGE = 64 << 10
 MAX_FIELDS = 16
 _LEN = struct.Struct(">I")
+_FLAT = f"a JSON object of at most {MAX_FIELDS} fields, each a string, number, bool or null"
 
 
 class FrameError(ValueError):
@@ -50,9 +55,12 @@ def encode_frame(message: dict[str, Any]) -> bytes:
 class FrameReader:
     """Bytes in, whole messages out, one frame at a time: `wanted()` is how many bytes to read
     next, never past the frame being read, so a reader holds at most one frame (and a read never
-    takes the next frame's descriptor)."""
+    takes the next frame's descriptor). `decode` makes a whole frame's bytes a message: a
+    request's rules (`decode_message`, the service's) or any JSON object (`decode_object`, the
+    client's, for replies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Callable[[bytes], dict[str, Any]] | None = None) -> None:
+        self._decode = decode_message if decode is None else decode
         self._head = bytearray()
         self._body = bytearray()
         self._size: int | None = None  # the frame's length, once its 4 bytes came
@@ -86,23 +94,30 @@ class FrameReader:
         self._head.clear()
         self._body.clear()
         self._size = None
-        return decode_message(raw)
+        return self._decode(raw)
 
 
-def decode_message(raw: bytes) -> dict[str, Any]:
-    """A message's JSON: an object of at most MAX_FIELDS fields, each a string, number, true,
-    false or null; FrameError for anything else."""
-    flat = f"a JSON object of at most {MAX_FIELDS} fields, each a string, number, bool or null"
+def decode_object(raw: bytes, expected: str = "a JSON object") -> dict[str, Any]:
+    """A frame's JSON: an object; FrameError (saying `expected`) for anything else."""
     try:
         message = json.loads(raw)
     except RecursionError:  # json's scanner recurses per `[` or `{`; 64 KiB of them is deep
-        raise FrameError(400, f"expected {flat}, got a message nested too deep") from None
+        raise FrameError(400, f"expected {expected}, got a message nested too deep") from None
     except ValueError as exc:  # also UnicodeDecodeError, and integers over Python's digit cap
-        raise FrameError(400, f"expected {flat}, got a message that is not JSON ({exc})") from None
+        raise FrameError(
+            400, f"expected {expected}, got a message that is not JSON ({exc})"
+        ) from None
     if not isinstance(message, dict):
-        raise FrameError(400, f"expected {flat}, got a JSON {type(message).__name__}")
+        raise FrameError(400, f"expected {expected}, got a JSON {type(message).__name__}")
+    return message
+
+
+def decode_message(raw: bytes) -> dict[str, Any]:
+    """A request's JSON: an object of at most MAX_FIELDS fields, each a string, number, true,
+    false or null; FrameError for anything else."""
+    message = decode_object(raw, _FLAT)
     if len(message) > MAX_FIELDS or any(isinstance(v, (dict, list)) for v in message.values()):
-        raise FrameError(400, f"expected {flat}, got {len(message)} fields or nested values")
+        raise FrameError(400, f"expected {_FLAT}, got {len(message)} fields or nested values")
     return message
 
 
@@ -117,10 +132,23 @@ def send_frame(sock: socket.socket, message: dict[str, Any], fd: int | None = No
         sock.sendall(data[sent:])
 
 
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    """Blocking receive of one message (no descriptors are expected this way)."""
-    reader = FrameReader()
+def recv_frame(
+    sock: socket.socket,
+    deadline: float | None = None,
+    decode: Callable[[bytes], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Blocking receive of one message (no descriptors are expected this way), through a
+    `FrameReader(decode)`: FrameError for an oversized frame (before its bytes are read) or a
+    malformed one, ConnectionError when the socket closes first. With a `deadline`
+    (`time.monotonic()`), the whole frame must come by then (TimeoutError), however the bytes
+    are spread."""
+    reader = FrameReader(decode)
     while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no whole frame by the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(reader.wanted())
         if not chunk:
             raise ConnectionError("the region socket closed")
