@@ -1,55 +1,31 @@
-"""The FastAPI app: POST /prefill, GET /health, /health/live, /metrics.
-
-The app owns the worker pool through its lifespan. A request body is read straight into the
-pool's shared memory (`ingest`), decoded as views, run by the workers and sent back from the
-shared memory the workers wrote; errors leave as problem+json through `problems.problem`.
-"""
+"""The FastAPI app: the service's state built, its routes mounted (`routes`: /health, /metrics,
+/prefill; `kserve`: /v2), and its lifespan, which starts the engine (unless one is given) and
+the same-host region socket, and drains and closes them."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from zen_mla import (
-    UnsupportedMediaTypeError,
-    ZenMLAError,
-    wire,
-    zentorch_status,
-)
-from zen_mla.engine import EngineConfig, PrefillEngine, PrefillResult
+from zen_mla import ZenMLAError, zentorch_status
+from zen_mla.engine import EngineConfig, PrefillEngine
 from zen_mla.pool import PoolConfig
 from zen_mla.regions.registry import RegionRegistry
 from zen_mla.regions.server import RegionServer
-from zen_mla.wire import regions_json
 
-from .exchange import (
-    Exchange,
-    ServiceState,
-    admit,
-    compute,
-    drop_body,
-    gate,
-    handle,
-    receive,
-    receive_small,
-    stream,
-    timed,
-)
-from .kserve import add_routes as add_kserve_routes
-from .problems import PROBLEM_RESPONSES, Problem, problem
-from .regions import answer as region_answer
-from .regions import resolve as resolve_regions
+from .kserve import routes as kserve
+from .kserve.system_shm import SystemShmRegistry
+from .problems import Problem, problem
+from .routes import health, prefill
 from .settings import Settings
-from .system_shm import SystemShmRegistry
+from .state import ServiceState
+
+__all__ = ["create_app"]
 
 log = logging.getLogger("zen_mla.service")
 
@@ -106,67 +82,15 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
 
     app = FastAPI(title="zen-mla", version="0.1.0", lifespan=lifespan)
     app.state.service = state
-    add_kserve_routes(app, state)
+    kserve.add_routes(app, state)
+    health.add_routes(app, state)
+    prefill.add_routes(app, state)
 
     @app.exception_handler(ZenMLAError)
     async def _zen_error(request: Request, exc: ZenMLAError) -> Response:
         return problem(exc)
 
-    @app.get("/health/live", include_in_schema=True)
-    async def live() -> dict[str, str]:
-        """200 while the process runs."""
-        return {"status": "alive"}
-
-    # HEAD answers as GET does, headers included; uvicorn sends no body for HEAD.
-    app.add_api_route("/health/live", live, methods=["HEAD"], include_in_schema=False)
-
-    @app.get("/health", responses={503: {"description": "not ready, draining, or no worker alive"}})
-    async def health() -> JSONResponse:
-        """Readiness: zentorch, the kernel "auto" resolves to, each worker."""
-        return _health(state)
-
-    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        """Prometheus text format, names prefixed zen_mla_."""
-        workers = state.engine.workers() if state.engine is not None else []
-        text = state.metrics.render(
-            state.admission.queued,
-            state.admission.uploads,
-            sum(w["alive"] for w in workers),
-            sum(w["restarts"] for w in workers),
-        )
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    @app.post(
-        "/prefill",
-        response_class=Response,
-        responses={
-            200: {
-                "description": "safetensors: out [Tq, H, Dv] (and lse [H, Tq] fp32)",
-                "content": {
-                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-                },
-            },
-            **PROBLEM_RESPONSES,
-        },
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "description": "safetensors: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens] and "
-                "__metadata__ causal, return_lse, scale, kernel, request_id",
-                "content": {
-                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-                },
-            }
-        },
-    )
-    async def prefill(request: Request) -> Response:
-        """Ragged MLA prefill attention (see CONTRACT.md)."""
-        return await _prefill(state, request)
-
-    # the Problem schema, referenced from every error response above
+    # the Problem schema, referenced from every problem+json response of the routes
     original_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -180,47 +104,6 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-def _health(state: ServiceState) -> JSONResponse:
-    """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
-    status = state.zentorch or {}
-    workers = state.engine.workers() if state.engine is not None else []
-    alive = sum(bool(w["alive"]) for w in workers)
-    if state.draining:
-        word = "draining"
-    elif state.start_error:
-        word = "failed"
-    elif not state.ready:
-        word = "starting"
-    elif alive == 0:
-        word = "no_worker"
-    elif alive < len(workers):
-        word = "degraded"
-    else:
-        word = "ok"
-    a = state.admission
-    body = {
-        "status": word,
-        "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
-        "kernel": status.get("auto_kernel"),
-        "kernel_reason": status.get("reason"),
-        "lse_kernel": status.get("lse_kernel"),
-        "lse_kernel_reason": status.get("lse_reason"),
-        "shared_memory": (
-            {"socket": state.region_server.path, "instance": state.instance}
-            if state.region_server is not None
-            else None
-        ),
-        "cpu": status.get("cpu"),
-        "workers": workers,
-        "inflight": a.inflight,
-        "uploads": a.uploads,
-        "queued": a.queued,
-        "inflight_bytes": a.inflight_bytes,
-        "error": state.start_error,
-    }
-    return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
 
 
 def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
@@ -252,75 +135,3 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     )
     server.start()
     state.regions, state.region_server = registry, server
-
-
-async def _prefill(state: ServiceState, request: Request) -> Response:
-    async def work(x: Exchange) -> Response:
-        engine = gate(state, request)
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media == regions_json.MEDIA_TYPE and state.regions is not None:
-            return await _from_regions(state, request, engine, x)
-        if media != "application/octet-stream":
-            offered = "application/octet-stream" + (
-                f" or {regions_json.MEDIA_TYPE}" if state.regions is not None else ""
-            )
-            raise UnsupportedMediaTypeError(
-                f"Content-Type: expected {offered}, got {media or 'none'}"
-            )
-        return await _from_body(state, request, engine, x)
-
-    def answer_error(exc: ZenMLAError, x: Exchange, headers: dict[str, str] | None) -> Response:
-        return problem(exc, x.request_id, headers)
-
-    return await handle(state, "prefill", work, answer_error)
-
-
-async def _from_body(
-    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange
-) -> Response:
-    """A safetensors body: read into shared memory, decoded as views, read there in place."""
-    s = state.settings
-    x.ticket = admit(state, request, s.max_body_bytes)
-    buf = await receive(state, request, engine, x)
-    n = x.bytes_in
-    ingest_s = time.perf_counter() - x.t0
-    tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
-    x.request_id = meta.get("request_id")
-    options = wire.parse_options(meta)
-    prepared = engine.prepare(tensors, options)
-    run = functools.partial(engine.run, prepared, inputs=buf)
-    result, timing = await compute(state, request, prepared, run, x)
-    await drop_body(engine, x)
-    response = _send(result, x.request_id)
-    x.status, x.bytes_out = 200, int(response.headers["content-length"])
-    return timed(response, ingest_s, *timing, x)
-
-
-async def _from_regions(
-    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange
-) -> Response:
-    """A small JSON body naming places in the client's regions: no tensor byte is read."""
-    assert state.regions is not None
-    body = await receive_small(state, request, engine, x, wire.MAX_HEADER_BYTES)
-    ingest_s = time.perf_counter() - x.t0
-    work = resolve_regions(body, state.regions, engine)
-    x.request_id = work.options.request_id
-    run = functools.partial(engine.run, work.prepared, inputs=work.inputs, outputs=work.outputs)
-    result, timing = await compute(state, request, work.prepared, run, x)
-    result.release()  # the client's memory: nothing goes back to a cache
-    response = region_answer(work, result.kernels, x.request_id)
-    x.status, x.bytes_out = 200, len(response.body)
-    return timed(response, ingest_s, *timing, x)
-
-
-def _send(result: PrefillResult, request_id: str | None) -> StreamingResponse:
-    """safetensors header, then out and lse straight from the shared memory the workers wrote
-    (`exchange.stream`)."""
-    outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
-    meta = {"kernel": result.kernels.out}
-    if result.kernels.lse is not None:
-        meta["lse_kernel"] = result.kernels.lse
-    if request_id:
-        meta["request_id"] = request_id
-    header, chunks = wire.encode(outputs, meta)
-    return stream(header, chunks, result, "application/octet-stream")

@@ -1,7 +1,7 @@
 """What every compute route shares, whatever its wire format (`/prefill`, `/v2/.../infer`): the
-service's state, the gate (serving, ready, token), admission before a body byte is read, the
-wait on the engine within the deadline while watching the client, and responses streamed from
-the shared memory the workers wrote."""
+gate (serving, ready, token), admission before a body byte is read, the body through the one
+reader, the wait on the engine within the deadline while watching the client, the log line and
+metrics of each request, and responses streamed from the shared memory the workers wrote."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import asyncio
 import hmac
 import json
 import logging
-import secrets
 import threading
 import time
 import weakref
@@ -32,21 +31,19 @@ from zen_mla import (
 )
 from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
 from zen_mla.pool import SharedBuffer
-from zen_mla.regions.registry import RegionRegistry
-from zen_mla.regions.server import RegionServer
 
-from .ingest import SMALL_BYTES, Admission, Ticket, give_back, read_body
-from .metrics import Metrics
-from .settings import Settings
-from .system_shm import SystemShmRegistry
+from .admission import Ticket
+from .body import SMALL_BYTES, give_back, read_body
+from .state import ServiceState
 
 __all__ = [
     "ClientGoneError",
     "Exchange",
-    "ServiceState",
     "admit",
+    "authorize",
     "byte_count",
     "compute",
+    "content_length",
     "drop_body",
     "gate",
     "handle",
@@ -59,37 +56,6 @@ __all__ = [
 log = logging.getLogger("zen_mla.service")
 R = TypeVar("R", bound=Response)
 SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
-
-
-@dataclass
-class ServiceState:
-    settings: Settings
-    engine: PrefillEngine | None = None
-    ready: bool = False
-    draining: bool = False
-    start_error: str | None = None
-    # zentorch_status(), once its probe (seconds, in a thread at start) is done; /health reads
-    # this instead of calling it, which would block the event loop on the probe meanwhile
-    zentorch: dict[str, Any] | None = None
-    # same-host regions (None while shared memory is off or not started); owned by the event
-    # loop's thread, as the region server that fills it runs there
-    regions: RegionRegistry | None = None
-    region_server: RegionServer | None = None
-    # the Open Inference Protocol's system shared memory (None while off or not started)
-    system_shm: SystemShmRegistry | None = None
-    instance: str = field(default_factory=lambda: secrets.token_hex(8))
-    metrics: Metrics = field(default_factory=Metrics)
-    admission: Admission = field(init=False)
-    # work whose client hung up, running on to its end (`_abandon`); owned by the event loop
-    abandoned: set[asyncio.Future[None]] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.admission = Admission(self.settings)
-
-    @property
-    def inflight(self) -> int:
-        """Requests admitted and not answered: bodies being read, queued or computing."""
-        return self.admission.inflight
 
 
 def authorize(state: ServiceState, request: Request) -> None:
@@ -145,7 +111,7 @@ async def receive(
     state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange, lead: int = 0
 ) -> SharedBuffer:
     """The admitted body (`x.ticket`'s Content-Length) in a pool buffer from byte `lead` on,
-    through the one body reader (`ingest.read_body`: its rate, deadline and byte budget); it is
+    through the one body reader (`body.read_body`: its rate, deadline and byte budget); it is
     `x.buf` from then on."""
     s = state.settings
     assert x.ticket is not None, "admit() first"

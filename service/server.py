@@ -11,9 +11,9 @@ from types import FrameType
 import uvicorn
 
 from .app import create_app
-from .exchange import ServiceState
 from .protocol import ConnectionLimits, protocol_class
 from .settings import Settings
+from .state import ServiceState
 
 log = logging.getLogger("zen_mla.service")
 

@@ -45,7 +45,7 @@ def test_the_scan_covers_every_module_that_handles_a_request_or_a_task():
     names = {path.relative_to(ROOT).as_posix() for path in MODULES}
     assert {
         "service/app.py",
-        "service/ingest.py",
+        "service/body.py",
         "zen_mla/wire/safetensors.py",
         "zen_mla/wire/regions_json.py",
         "zen_mla/regions/server.py",

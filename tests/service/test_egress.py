@@ -11,7 +11,7 @@ import gc
 
 import torch
 
-from service.app import _send
+from service.routes.prefill import send
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 from zen_mla.pool import PoolResult
@@ -24,7 +24,7 @@ def test_memory_returns_only_after_the_last_chunk_is_dropped():
     out = buf.tensor(0, (4096, 8, 128), torch.bfloat16)
     out.copy_(torch.randn(4096, 8, 128))
     pool_result = PoolResult(out, None, "torch", buf, cache)
-    response = _send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
+    response = send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
 
     async def drain() -> list[object]:
         return [chunk async for chunk in response.body_iterator]

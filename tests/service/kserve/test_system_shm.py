@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from service.system_shm import SHM_DIR, SystemShmRegistry
+from service.kserve.system_shm import SHM_DIR, SystemShmRegistry
 from zen_mla import InvalidInputError, NotFoundError
 from zen_mla.pool import SharedBuffer
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zen_mla import InvalidInputError, NotFoundError
+from zen_mla import ForbiddenError, InvalidInputError, NotFoundError
 from zen_mla.pool import SharedBuffer
 
-__all__ = ["SHM_DIR", "SystemRegion", "SystemShmRegistry"]
+__all__ = ["SHM_DIR", "SystemRegion", "SystemShmRegistry", "off_error"]
 
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9_.\-]{1,200})")
@@ -214,3 +214,33 @@ class SystemShmRegistry:
         if region is None:
             raise InvalidInputError(what, "a registered region name", repr(name)[:80])
         return region
+
+    def place(
+        self, what: str, name: object, offset: int, nbytes: int, dtype: torch.dtype
+    ) -> SystemRegion:
+        """The region named `name` for the tensor `what` of `nbytes` at `offset` into it, the
+        range checked against the registration and the object's size now."""
+        region = self.resolve(f"{what}.shared_memory_region", name)
+        end = offset + nbytes
+        if end > region.byte_size:
+            raise InvalidInputError(
+                what,
+                f"bytes [{offset}, {end}) inside region {region.name!r} of {region.byte_size} "
+                "bytes",
+                f"a range past its end by {end - region.byte_size} bytes",
+            )
+        if (region.offset + offset) % dtype.itemsize:
+            raise InvalidInputError(
+                f"{what}.shared_memory_offset",
+                f"a multiple of {dtype.itemsize} bytes from the object's start",
+                str(offset),
+            )
+        region.check_size(what)
+        return region
+
+
+def off_error() -> ForbiddenError:
+    return ForbiddenError(
+        "system shared memory is off on this server: it lets a client name /dev/shm objects "
+        "for the service to read and write; start it with ZEN_MLA_SYSTEM_SHM=true to offer it"
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zen_mla import InvalidInputError, WireFormatError
+from zen_mla import InvalidInputError, NotFoundError, WireFormatError
 from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
 
@@ -29,6 +29,7 @@ __all__ = [
     "InputSpec",
     "OutputSpec",
     "ShmPlace",
+    "check_model",
     "model_metadata",
     "parse_request",
     "response_header",
@@ -50,6 +51,14 @@ REQUIRED = ("q", "k", "v", "q_cu_seq_lens")
 OUTPUTS = ("out", "lse")
 PARAMETERS = ("causal", "return_lse", "scale", "kernel", "binary_data_output", "timeout")
 _SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+def check_model(model: str, version: str) -> None:
+    """NotFoundError unless `model` (and `version`, where given) name this model."""
+    if model != MODEL:
+        raise NotFoundError(f"no model named {model[:80]!r} here; this server serves {MODEL}")
+    if version not in ("", VERSION):
+        raise NotFoundError(f"model {MODEL} has version {VERSION} only, not {version[:20]!r}")
 
 
 def model_metadata() -> dict[str, Any]:

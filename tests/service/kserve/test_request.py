@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from service import kserve_request as kr
+from service.kserve import request as kr
 from zen_mla import InvalidInputError, WireFormatError
 
 Q = {"name": "q", "datatype": "BF16", "shape": [5, 2, 192]}

@@ -1,0 +1,123 @@
+"""The one body reader: every HTTP body the service reads (a safetensors `/prefill`, a regions
+JSON, a `/v2` infer in JSON or binary, a system shared memory registration) comes in here, with
+one admission (`admission`), one minimum rate, one deadline and one byte budget.
+
+- Memory follows the bytes that came: a body's buffer is made without its pages, which are
+  faulted in a window ahead of the bytes as they arrive, and the byte budget
+  (`max_inflight_bytes`) is charged for what is faulted in, not for what a Content-Length
+  announces. A body that would pass the budget is a 429.
+- After `body_grace_s`, the bytes in must keep up with `min_body_rate` (408 below); the
+  request's deadline bounds the whole read (504).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+
+from zen_mla import DeadlineExceededError, RequestTimeoutError, WireFormatError
+from zen_mla.engine import PrefillEngine
+from zen_mla.pool import SharedBuffer
+
+from .admission import Ticket
+
+__all__ = ["SMALL_BYTES", "give_back", "read_body"]
+
+# Buffers up to this size are given back on the event loop; larger ones in a thread (unmapping
+# 1 GiB takes 0.3-0.5 s, without the GIL).
+SMALL_BYTES = 1 << 20
+# Bytes of a body faulted in (and charged to the budget) ahead of the bytes that came: faulting
+# a window in one madvise is far cheaper than a fault per page, and 16 MiB takes ~2 ms.
+WINDOW = 16 << 20
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+async def read_body(
+    receive: Receive,
+    ticket: Ticket,
+    engine: PrefillEngine,
+    *,
+    min_rate: float,
+    grace_s: float,
+    deadline_at: float,
+    deadline_s: float,
+    lead: int = 0,
+) -> SharedBuffer:
+    """The body of `ticket.nbytes` (its Content-Length), in a pool buffer the caller releases,
+    from byte `lead` on (a caller that knows where the body's tensors start aligns them so).
+
+    After `grace_s`, the bytes in must keep up with `min_rate` bytes/s (counted from the start
+    of the read): a body falling behind, or displaced by a faster one, raises
+    RequestTimeoutError (408). `deadline_at` (loop time) raises DeadlineExceededError (504); a
+    vanished client ClientDisconnect; a body longer or shorter than announced WireFormatError
+    (400); the byte budget QueueFullError (429).
+    """
+    nbytes = ticket.nbytes
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    total = lead + nbytes
+    # No pages yet: they are faulted in (and charged) a window ahead of the bytes that came.
+    buf = engine.buffer(total, prefault=False)
+    view = buf.bytes_view
+    got = 0
+    slow = False
+    try:
+        async with asyncio.timeout(None) as timer:
+            ticket.timer = timer
+            more = True
+            while more:
+                if ticket.displaced:
+                    raise TimeoutError
+                cut = start + grace_s + got / min_rate if min_rate > 0 else deadline_at
+                slow = cut < deadline_at
+                timer.reschedule(min(cut, deadline_at))
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk: bytes = message.get("body", b"")
+                more = bool(message.get("more_body", False))
+                end = got + len(chunk)
+                if end > nbytes:
+                    raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", "more")
+                if lead + end > ticket.charged:  # the next window, in one step
+                    want = min(total, lead + end + WINDOW)
+                    ticket.charge(want - ticket.charged)
+                    buf.fault_in(want)
+                view[lead + got : lead + end] = chunk
+                got = ticket.got = end
+    except TimeoutError:
+        await give_back(engine, buf)
+        elapsed = loop.time() - start
+        if ticket.displaced:
+            raise RequestTimeoutError(
+                f"the body was cut off for a faster one while every upload slot was taken: "
+                f"{got} of {nbytes} bytes in {elapsed:.1f} s"
+            ) from None
+        if slow:
+            raise RequestTimeoutError(
+                f"the body came slower than {min_rate:.0f} bytes/s after a {grace_s} s grace: "
+                f"{got} of {nbytes} bytes in {elapsed:.1f} s"
+            ) from None
+        raise DeadlineExceededError(f"the body did not arrive within {deadline_s} s") from None
+    except BaseException:
+        await give_back(engine, buf)
+        raise
+    finally:
+        ticket.timer = None
+    if got != nbytes:
+        await give_back(engine, buf)
+        raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
+    return buf
+
+
+async def give_back(engine: PrefillEngine, buf: SharedBuffer) -> None:
+    """`engine.release(buf)`; for a large buffer in a thread: the release may free an older
+    buffer of the pool's cache, and unmapping 1 GiB takes 0.3-0.5 s (without the GIL)."""
+    if buf.nbytes <= SMALL_BYTES:
+        engine.release(buf)
+    else:
+        await asyncio.to_thread(engine.release, buf)

@@ -1,0 +1,1 @@
+"""The Open Inference Protocol (KServe v2) next to `/prefill`."""

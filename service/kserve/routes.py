@@ -1,0 +1,209 @@
+"""The Open Inference Protocol (KServe v2) next to `/prefill`: server and model metadata,
+health, `POST /v2/models/mla_prefill/infer` (`kserve.infer`), and the system shared memory
+extension (off unless `system_shm`). Errors are `{"error": "..."}` with the status `/prefill`
+would give, which tritonclient raises as InferenceServerException with our message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from zen_mla import (
+    InvalidInputError,
+    ServiceUnavailableError,
+    WireFormatError,
+    ZenMLAError,
+    status_of,
+)
+
+from ..exchange import Exchange, authorize, handle, receive_small
+from ..problems import problem_headers
+from ..state import ServiceState
+from . import request as kr
+from .infer import serve_infer
+from .system_shm import SystemShmRegistry, off_error
+
+__all__ = ["add_routes", "error_response"]
+
+REGISTER_BYTES = 64 << 10  # a system shared memory registration's JSON, at most
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {
+        "description": "an error, as the Open Inference Protocol gives it",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"error": {"type": "string"}},
+                    "required": ["error"],
+                }
+            }
+        },
+    }
+    for status in (400, 401, 403, 404, 408, 411, 413, 415, 422, 429, 500, 503, 504)
+}
+
+
+def error_response(exc: ZenMLAError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": str(exc)},
+        status_code=status_of(exc),
+        headers=problem_headers(exc) | dict(headers or {}),
+    )
+
+
+def _answer_error(exc: ZenMLAError, x: Exchange, headers: dict[str, str] | None) -> Response:
+    return error_response(exc, headers)
+
+
+def add_routes(app: FastAPI, state: ServiceState) -> None:
+    """The /v2 routes on `app`; they answer errors in the protocol's form."""
+
+    # JSON over SMALL_BYTES is read in a thread, one request at a time: its Python objects
+    # take some ten times its bytes while they live
+    big_json = asyncio.Semaphore(1)
+
+    def guarded(call: Any) -> Any:
+        @functools.wraps(call)
+        async def wrapper(*args: Any, **kwargs: Any) -> Response:
+            try:
+                result: Response = await call(*args, **kwargs)
+                return result
+            except ZenMLAError as exc:
+                return error_response(exc)
+
+        return wrapper
+
+    def ready() -> None:
+        engine = state.engine
+        if state.draining:
+            raise ServiceUnavailableError("the service is draining for shutdown")
+        if not state.ready or engine is None:
+            raise ServiceUnavailableError(state.start_error or "the worker pool is starting")
+        if not engine.ready():
+            raise ServiceUnavailableError("no worker is alive; they are being replaced")
+
+    @app.get("/v2", tags=["v2"], responses=ERROR_RESPONSES)
+    @guarded
+    async def server_metadata() -> Response:
+        """Server metadata: name, version, the protocol extensions served."""
+        extensions = ["binary_tensor_data", "parameters"]
+        if state.settings.system_shm:
+            extensions.append("system_shared_memory")
+        return JSONResponse({"name": "zen-mla", "version": app.version, "extensions": extensions})
+
+    @app.get("/v2/health/live", tags=["v2"], responses=ERROR_RESPONSES)
+    @guarded
+    async def server_live() -> Response:
+        """200 while the process runs."""
+        return JSONResponse({"live": True})
+
+    @app.get("/v2/health/ready", tags=["v2"], responses=ERROR_RESPONSES)
+    @guarded
+    async def server_ready() -> Response:
+        """200 when a worker can take work, else 503."""
+        ready()
+        return JSONResponse({"ready": True})
+
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+
+        @app.get(prefix, tags=["v2"], responses=ERROR_RESPONSES)
+        @guarded
+        async def model_metadata(model: str, version: str = "") -> Response:
+            """The model's inputs and outputs."""
+            kr.check_model(model, version)
+            return JSONResponse(kr.model_metadata())
+
+        @app.get(prefix + "/ready", tags=["v2"], responses=ERROR_RESPONSES)
+        @guarded
+        async def model_ready(model: str, version: str = "") -> Response:
+            """200 when the model can take requests (a worker is alive), else 503."""
+            kr.check_model(model, version)
+            ready()
+            return JSONResponse({"name": kr.MODEL, "ready": True})
+
+        @app.post(
+            prefix + "/infer",
+            tags=["v2"],
+            responses={
+                200: {
+                    "description": "the inference response: JSON, then binary tensor data "
+                    "when Inference-Header-Content-Length is set",
+                    "content": {"application/json": {}, "application/octet-stream": {}},
+                },
+                **ERROR_RESPONSES,
+            },
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "description": "an inference request (JSON), then binary tensor data when "
+                    "the Inference-Header-Content-Length header says where the JSON ends",
+                    "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary"}
+                        },
+                    },
+                }
+            },
+        )
+        async def infer(request: Request, model: str, version: str = "") -> Response:
+            """Ragged MLA prefill attention (CONTRACT.md), as the mla_prefill model."""
+            return await handle(
+                state,
+                "v2",
+                functools.partial(serve_infer, state, big_json, request, model, version),
+                _answer_error,
+            )
+
+    shm = "/v2/systemsharedmemory"
+
+    def registry(request: Request) -> SystemShmRegistry:
+        authorize(state, request)
+        if not state.settings.system_shm:
+            raise off_error()
+        if state.system_shm is None:
+            raise ServiceUnavailableError(
+                state.start_error or "the worker pool is starting", retry_after=5
+            )
+        return state.system_shm
+
+    @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)
+    @app.get(shm + "/region/{name}/status", tags=["v2"], responses=ERROR_RESPONSES)
+    @guarded
+    async def shm_status(request: Request, name: str | None = None) -> Response:
+        """The registered regions (or one): name, key, offset, byte_size."""
+        return JSONResponse(registry(request).status(name))
+
+    @app.post(shm + "/region/{name}/register", tags=["v2"], responses=ERROR_RESPONSES)
+    async def shm_register(request: Request, name: str) -> Response:
+        """Register `byte_size` bytes from `offset` of the /dev/shm object `key` as `name`."""
+
+        async def work(x: Exchange) -> Response:
+            regions = registry(request)
+            assert state.engine is not None  # regions exist once the engine started
+            raw = await receive_small(state, request, state.engine, x, REGISTER_BYTES)
+            body = kr.parse_header(raw)
+            if not isinstance(body, dict):
+                raise WireFormatError("register", "a JSON object", type(body).__name__)
+            unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+            if unknown:
+                raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
+            regions.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+            x.status = 200
+            return JSONResponse({})
+
+        return await handle(state, "v2_register", work, _answer_error)
+
+    @app.post(shm + "/unregister", tags=["v2"], responses=ERROR_RESPONSES)
+    @app.post(shm + "/region/{name}/unregister", tags=["v2"], responses=ERROR_RESPONSES)
+    @guarded
+    async def shm_unregister(request: Request, name: str | None = None) -> Response:
+        """Unregister one region, or all."""
+        registry(request).unregister(name)
+        return JSONResponse({})

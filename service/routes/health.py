@@ -1,0 +1,81 @@
+"""`GET /health` (readiness, with what the host and the workers are), `/health/live` and
+`/metrics` (Prometheus text)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ..state import ServiceState
+
+__all__ = ["add_routes"]
+
+
+def add_routes(app: FastAPI, state: ServiceState) -> None:
+    @app.get("/health/live", include_in_schema=True)
+    async def live() -> dict[str, str]:
+        """200 while the process runs."""
+        return {"status": "alive"}
+
+    # HEAD answers as GET does, headers included; uvicorn sends no body for HEAD.
+    app.add_api_route("/health/live", live, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/health", responses={503: {"description": "not ready, draining, or no worker alive"}})
+    async def health() -> JSONResponse:
+        """Readiness: zentorch, the kernel "auto" resolves to, each worker."""
+        return _health(state)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text format, names prefixed zen_mla_."""
+        workers = state.engine.workers() if state.engine is not None else []
+        text = state.metrics.render(
+            state.admission.queued,
+            state.admission.uploads,
+            sum(w["alive"] for w in workers),
+            sum(w["restarts"] for w in workers),
+        )
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _health(state: ServiceState) -> JSONResponse:
+    """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
+    status = state.zentorch or {}
+    workers = state.engine.workers() if state.engine is not None else []
+    alive = sum(bool(w["alive"]) for w in workers)
+    if state.draining:
+        word = "draining"
+    elif state.start_error:
+        word = "failed"
+    elif not state.ready:
+        word = "starting"
+    elif alive == 0:
+        word = "no_worker"
+    elif alive < len(workers):
+        word = "degraded"
+    else:
+        word = "ok"
+    a = state.admission
+    body = {
+        "status": word,
+        "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
+        "kernel": status.get("auto_kernel"),
+        "kernel_reason": status.get("reason"),
+        "lse_kernel": status.get("lse_kernel"),
+        "lse_kernel_reason": status.get("lse_reason"),
+        "shared_memory": (
+            {"socket": state.region_server.path, "instance": state.instance}
+            if state.region_server is not None
+            else None
+        ),
+        "cpu": status.get("cpu"),
+        "workers": workers,
+        "inflight": a.inflight,
+        "uploads": a.uploads,
+        "queued": a.queued,
+        "inflight_bytes": a.inflight_bytes,
+        "error": state.start_error,
+    }
+    return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
