@@ -1,14 +1,26 @@
-"""The client against a real server: an unreachable endpoint beside it is passed over. Its choice
-of endpoint without a server is in tests/test_client.py."""
+"""The client against a real server (tests/service/servers.py): an unreachable endpoint beside
+it is passed over. Its choice of endpoint without a server is in tests/client/test_endpoints.py.
+Slow: it starts a server."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
-from tests.service.servers import free_port
+from tests.service.servers import Server, free_port, serve, server_fixture
 from zen_mla.client import PrefillClient
+
+pytestmark = pytest.mark.slow
+
+
+@server_fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(tmp_path_factory.mktemp("server"), workers=1) as s:
+        yield s
 
 
 def test_an_unreachable_endpoint_is_passed_over(server):

@@ -1,6 +1,6 @@
-"""The client against hostile servers written by hand (tests/fake_server.py): every failure is a
-ZenMLAError, within the call's timeout, having read no more than the request can need; a wrong
-answer is never returned. Each case runs the blocking and the asyncio client."""
+"""The client against hostile servers written by hand (tests/client/fake_server.py): every
+failure is a ZenMLAError, within the call's timeout, having read no more than the request can
+need; a wrong answer is never returned. Each case runs the blocking and the asyncio client."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zen_mla
-from tests.fake_server import (
+from tests.client.fake_server import (
     FakeRegionSocket,
     FakeServer,
     Request,

@@ -1,5 +1,5 @@
-"""The client without a server: which endpoint it picks, and none of them reachable. Round trips
-against real servers are in tests/service/test_client.py."""
+"""The client without a server: which endpoint it picks, and none of them reachable. Beside a
+real server: tests/client/test_endpoints_served.py."""
 
 from __future__ import annotations
 
