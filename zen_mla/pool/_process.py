@@ -66,7 +66,7 @@ class WorkerProcess:
             # most users' scripts) loads it there, and OpenMP reads OMP_NUM_THREADS when it
             # loads, before `_worker.main` could set it. So the child starts with the thread
             # counts in its environment. (The entry point's own import chain loads no torch:
-            # tests/test_pool_imports.py.) _env_lock: os.environ is one per process.
+            # tests/pool/test_pool_imports.py.) _env_lock: os.environ is one per process.
             with _env_lock:
                 saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
                 os.environ.update({v: str(slot.threads) for v in saved})

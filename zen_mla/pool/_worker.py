@@ -2,7 +2,7 @@
 
 Unpickling the spawn target imports this module, `zen_mla` and `zen_mla.pool` (both lazy) and
 `_messages`, none of which loads torch: `main` sets the CPU affinity and thread environment
-first, then imports torch (tests/test_pool_imports.py checks the chain).
+first, then imports torch (tests/pool/test_pool_imports.py checks the chain).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zen_mla
-from tests.kernels_ran import kernels_ran
+from tests.attention.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
 from zen_mla.attention import select
 from zen_mla.attention.kernels import zentorch as zentorch_kernel

@@ -1,17 +1,14 @@
-"""The regions request body (JSON places) and the sealed memfds behind regions."""
+"""The regions request body (zen_mla.wire.regions_json): JSON places of tensors in regions."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zen_mla import InvalidInputError, WireFormatError
-from zen_mla.regions.memfd import check_sealed_memfd, create_sealed_memfd
 from zen_mla.wire import regions_json as rr
 
 NAMES = rr.REQUEST_NAMES
@@ -79,24 +76,3 @@ def test_any_json_decodes_or_is_our_value_error(raw):
         assert isinstance(exc, InvalidInputError | WireFormatError)
         return
     assert set(message.places) <= NAMES
-
-
-def test_a_sealed_memfd_passes_and_anything_else_is_named():
-    fd = create_sealed_memfd(4096)
-    try:
-        assert check_sealed_memfd(fd) == 4096
-        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
-        with pytest.raises(PermissionError):
-            os.ftruncate(fd, 1024)  # the seal holds
-    finally:
-        os.close(fd)
-    unsealed = os.memfd_create("x", os.MFD_CLOEXEC)
-    r, w = os.pipe()
-    try:
-        with pytest.raises(InvalidInputError, match="can shrink"):
-            check_sealed_memfd(unsealed)
-        with pytest.raises(InvalidInputError, match="pipe"):
-            check_sealed_memfd(r)
-    finally:
-        for fd in (unsealed, r, w):
-            os.close(fd)

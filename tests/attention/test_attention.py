@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zen_mla
+from tests.attention.kernels_ran import kernels_ran
 from tests.batches import BATCH_SPECS, BatchSpec, cu_seq_lens, make_batch
-from tests.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
 
 # The fast tier runs the matrix for the model's head dims in bf16 and fp32; fp16 and equal_64

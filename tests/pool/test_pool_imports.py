@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: what spawn's child does with the target (unpickle `_worker.main`: import its module) and then
 #: with a task (unpickle a `RunTask`), in an interpreter of its own

@@ -25,7 +25,7 @@ from tests.reference import assert_close_to_reference
 from zen_mla.pool import PoolConfig, WorkerPool
 
 CPUS = sorted(os.sched_getaffinity(0))
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: the pool's reference kernel runs on 1 thread here, the in-process one on all: fp32 sums in
 #: another order, so outputs may differ by a rounding step of their dtype
 ATOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.region_sockets import refused, running
+from tests.regions.region_sockets import refused, running
 from zen_mla import InvalidInputError
 from zen_mla.pool import SharedBuffer
 from zen_mla.regions.memfd import create_sealed_memfd

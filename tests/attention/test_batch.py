@@ -1,4 +1,5 @@
-"""Every rule of the contract, broken once: a ValueError that names the tensor, expected and got."""
+"""Every rule of the ragged batch (zen_mla.attention.batch), broken once: a ValueError that
+names the tensor, expected and got."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zen_mla
-from zen_mla import InvalidInputError, KernelUnavailableError
+from zen_mla import InvalidInputError
 
 
 def _good():
@@ -66,7 +67,6 @@ BAD_INPUTS = {
     "scale_zero": ({"scale": 0.0}, "scale", "> 0"),
     "scale_negative": ({"scale": -0.1}, "scale", "> 0"),
     "scale_string": ({"scale": "0.1"}, "scale", "float"),
-    "kernel_unknown": ({"kernel": "flash"}, "kernel", "one of auto, zentorch, torch, reference"),
 }
 
 
@@ -94,30 +94,6 @@ def test_zero_tokens_and_zero_requests_are_valid():
     assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
     out = zen_mla.ragged_attention(q, q, v, torch.tensor([0, 0, 0]))
     assert out.shape == (0, 2, 8)
-
-
-def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
-    import dataclasses
-
-    from zen_mla.attention import select
-
-    absent = dataclasses.replace(
-        select.host_status(),
-        installed=False,
-        version=None,
-        sdpa_ok=False,
-        sdpa_lse_ok=False,
-        auto_kernel="torch",
-        reason="zentorch is not installed",
-        lse_kernel="torch",
-        lse_reason="zentorch is not installed",
-    )
-    monkeypatch.setattr(select, "host_status", lambda: absent)
-    assert zen_mla.zentorch_status()["auto_kernel"] == "torch"
-    with pytest.raises(KernelUnavailableError, match="zentorch is not installed") as info:
-        zen_mla.ragged_attention(**_good(), kernel="zentorch")
-    assert isinstance(info.value, ValueError) and info.value.name == "kernel"
-    assert zen_mla.ragged_attention(**_good(), kernel="auto").shape == (10, 2, 8)
 
 
 @settings(max_examples=200, deadline=None)

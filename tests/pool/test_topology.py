@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.sysfs_fixtures import PARTS, Part, all_cpus, cpu_list, write_sysfs
+from tests.pool.sysfs_fixtures import PARTS, Part, all_cpus, cpu_list, write_sysfs
 from zen_mla.pool.topology import discover_ccxs, parse_cpu_list, plan_workers
 
 
