@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import _common as c
 
 import zen_mla
+from zen_mla.attention import select_kernel, validate
 from zen_mla.pool import PoolConfig, WorkerPool
 from zen_mla.pool._schedule import schedule
 
@@ -62,8 +63,16 @@ def on_pool(pool: WorkerPool, x: dict[str, torch.Tensor], **kw: bool) -> Callabl
     for t in (x["q"], x["k"], x["v"]):
         shared.append(buf.tensor(offset, t.shape, t.dtype).copy_(t))
         offset += t.nbytes
-    cus = (x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
-    return lambda: pool.run(*shared, *cus, **kw, inputs=buf).release()
+    q_cu, kv_cu = x["q_cu_seq_lens"], x["kv_cu_seq_lens"]
+    causal, return_lse = kw.get("causal", True), kw.get("return_lse", False)
+
+    def call() -> None:
+        # per call, as the engine's prepare() and run() do per request
+        batch = validate(*shared, q_cu, kv_cu, causal=causal)
+        kernel = select_kernel("auto", batch.q.dtype, return_lse=return_lse).name
+        pool.submit_batch(batch, kernel, return_lse=return_lse, inputs=buf).result().release()
+
+    return call
 
 
 def main() -> None:

@@ -13,8 +13,10 @@ import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, BatchSpec, make_batch
+from tests.pool.jobs import run, submit
 from tests.reference import assert_close_to_reference
 from zen_mla.pool import PoolConfig, WorkerPool
+from zen_mla.pool._messages import RunTask, TaskSpec
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs for two workers")
@@ -62,7 +64,7 @@ def test_workers_are_pinned_to_disjoint_cpus(pool):
 def test_results_equal_in_process(pool, spec, return_lse, kernel):
     q, k, v, q_cu, kv_cu = make_batch(spec, (4, 192, 128), torch.bfloat16)
     want = zen_mla.ragged_attention(q, k, v, q_cu, kv_cu, return_lse=return_lse, kernel=kernel)
-    result = pool.run(q, k, v, q_cu, kv_cu, return_lse=return_lse, kernel=kernel)
+    result = run(pool, q, k, v, q_cu, kv_cu, return_lse=return_lse, kernel=kernel)
     try:
         if return_lse:
             assert torch.equal(result.out, want[0])
@@ -76,27 +78,50 @@ def test_results_equal_in_process(pool, spec, return_lse, kernel):
         result.release()
 
 
-def test_inputs_in_a_shared_buffer_are_read_in_place(pool):
+def _record_tasks(pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> list[TaskSpec]:
+    """The spec of every task sent to a worker from now on: where each tensor it reads lies."""
+    specs: list[TaskSpec] = []
+    for d in pool._dispatchers:
+        real = d.proc.send
+
+        def recording(msg, fds=(), real=real):
+            if isinstance(msg, RunTask):
+                specs.append(msg.spec)
+            return real(msg, fds)
+
+        monkeypatch.setattr(d.proc, "send", recording)
+    return specs
+
+
+def test_inputs_in_a_shared_buffer_are_read_in_place(pool, monkeypatch):
     q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (4, 192, 128), torch.bfloat16)
     buf = pool.buffer(q.nbytes + k.nbytes + v.nbytes)
     sq = buf.tensor(0, q.shape, q.dtype)
     sk = buf.tensor(q.nbytes, k.shape, k.dtype)
     sv = buf.tensor(q.nbytes + k.nbytes, v.shape, v.dtype)
     sq.copy_(q), sk.copy_(k), sv.copy_(v)
-    staged = pool.staged_bytes
-    result = pool.run(sq, sk, sv, q_cu, kernel="torch", inputs=buf)
-    assert pool.staged_bytes == staged, "nothing copied"
+    sent = _record_tasks(pool, monkeypatch)
+    result = run(pool, sq, sk, sv, q_cu, kernel="torch", inputs=buf)
+    assert sent
+    for spec in sent:  # the workers read q, k and v where they lie in `buf`
+        for ref, t in zip((spec.q, spec.k, spec.v), (sq, sk, sv), strict=True):
+            assert (ref.buffer, ref.offset) == (buf.id, t.data_ptr() - buf.base), "nothing copied"
     assert torch.equal(result.out, zen_mla.ragged_attention(q, k, v, q_cu, kernel="torch"))
     result.release()
     pool.release(buf)
-    pool.run(q, k, v, q_cu, kernel="torch").release()  # from ordinary memory: one copy
-    assert pool.staged_bytes > staged
+    sent.clear()
+    run(pool, q, k, v, q_cu, kernel="torch").release()  # from ordinary memory: one copy
+    assert sent
+    for spec in sent:  # copies of q, k and v one after another in one buffer of the pool's
+        assert spec.q.buffer == spec.k.buffer == spec.v.buffer != buf.id
+        assert spec.q.offset == 0 and spec.k.offset >= q.nbytes
+        assert spec.v.offset >= spec.k.offset + k.nbytes
 
 
 def test_bad_input_is_refused_before_any_worker_sees_it(pool):
     q = torch.randn(4, 2, 8)
     with pytest.raises(zen_mla.InvalidInputError, match="q_cu_seq_lens"):
-        pool.submit(q, q, q, torch.tensor([0, 5]))
+        submit(pool, q, q, q, torch.tensor([0, 5]))
     assert all(w["alive"] for w in pool.workers())
 
 
@@ -107,7 +132,7 @@ def test_sigkill_mid_batch_is_retried_and_the_pool_heals(pool):
     cu = torch.tensor([0, 3000])
     want = zen_mla.ragged_attention(big, big, big_v, cu, kernel="reference")
     restarts = sum(w["restarts"] for w in pool.workers())
-    job = pool.submit(big, big, big_v, cu, kernel="reference")
+    job = submit(pool, big, big, big_v, cu, kernel="reference")
     deadline = time.monotonic() + 30
     while not any(w["state"] == "busy" for w in pool.workers()):
         assert time.monotonic() < deadline
@@ -126,7 +151,7 @@ def test_sigkill_mid_batch_is_retried_and_the_pool_heals(pool):
 def test_abandoned_job_frees_its_workers(pool):
     big = torch.randn(4000, 8, 192).bfloat16()
     cu = torch.tensor([0, 4000])
-    job = pool.submit(big, big, big[..., :128], cu, kernel="reference")
+    job = submit(pool, big, big, big[..., :128], cu, kernel="reference")
     while not any(w.current is not None for w in pool._dispatchers):
         time.sleep(0.01)
     busy = sum(w.current is not None for w in pool._dispatchers)
@@ -141,7 +166,7 @@ def test_abandoned_job_frees_its_workers(pool):
     assert time.monotonic() - t0 < 30
     assert all(w.current is None for w in pool._dispatchers)
     small = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
-    pool.run(*small, timeout=60).release()  # the pool serves again
+    run(pool, *small, timeout=60).release()  # the pool serves again
 
 
 @pytest.mark.slow
@@ -150,7 +175,7 @@ def test_shutdown_with_work_in_flight_never_hangs():
     p = WorkerPool(PoolConfig(workers=1)).start()
     big = torch.randn(6000, 8, 192).bfloat16()
     cu = torch.tensor([0, 6000])
-    jobs = [p.submit(big, big, big, cu, causal=False, kernel="reference") for _ in range(3)]
+    jobs = [submit(p, big, big, big, cu, causal=False, kernel="reference") for _ in range(3)]
     t0 = time.monotonic()
     p.close(grace=0.5)
     assert time.monotonic() - t0 < 20
@@ -163,7 +188,7 @@ def test_shutdown_with_work_in_flight_never_hangs():
             closed += 1
     assert closed >= 2, "three jobs of seconds each cannot all finish in 0.5 s"
     with pytest.raises(zen_mla.PoolClosedError):
-        p.submit(big, big, big, cu)
+        submit(p, big, big, big, cu)
     del jobs
     gc.collect()
     assert set(os.listdir("/dev/shm")) <= shm, "no /dev/shm segment left behind"
@@ -172,10 +197,10 @@ def test_shutdown_with_work_in_flight_never_hangs():
 
 def test_no_shared_memory_or_descriptor_leaks_over_many_batches(pool):
     q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["prefix_cached"], (4, 192, 128), torch.bfloat16)
-    pool.run(q, k, v, q_cu, kv_cu).release()
+    run(pool, q, k, v, q_cu, kv_cu).release()
     fds, shm = _open_fds(), set(os.listdir("/dev/shm"))
     for _ in range(30):
-        pool.run(q, k, v, q_cu, kv_cu, return_lse=True).release()
+        run(pool, q, k, v, q_cu, kv_cu, return_lse=True).release()
     assert _open_fds() <= fds + 2  # the buffer cache may hold a couple more
     assert set(os.listdir("/dev/shm")) <= shm
 
@@ -188,12 +213,12 @@ def _memfd_mappings(pid: int) -> set[str]:
 def test_workers_unmap_buffers_the_supervisor_frees(pool):
     for n in range(1, 25):  # a new size each time: buffers come and go
         q, k, v, q_cu, _ = make_batch(BatchSpec([n * 40]), (2, 64, 64), torch.float32, seed=n)
-        pool.run(q, k, v, q_cu).release()
+        run(pool, q, k, v, q_cu).release()
     pool._cache.clear()
     gc.collect()
     q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
     for _ in range(2 * len(pool.workers())):  # every worker gets a task carrying its forgets
-        pool.run(q, k, v, q_cu).release()
+        run(pool, q, k, v, q_cu).release()
     for w in pool.workers():
         assert len(_memfd_mappings(w["pid"])) <= 6, "freed buffers stay mapped"
 
@@ -207,7 +232,7 @@ def test_inputs_in_an_odd_sized_buffer(pool):
     for t in (q, k, v):
         tensors.append(buf.tensor(offset, t.shape, t.dtype).copy_(t))
         offset += t.nbytes
-    result = pool.run(*tensors, q_cu, kernel="torch", inputs=buf)
+    result = run(pool, *tensors, q_cu, kernel="torch", inputs=buf)
     assert torch.equal(result.out, zen_mla.ragged_attention(q, k, v, q_cu, kernel="torch"))
     result.release()
     pool.release(buf)
@@ -220,7 +245,7 @@ def test_requests_split_by_queries_too(pool, spec, causal, kernel):
     """With 2 heads and 2 workers, a request over half a share needs 4 pieces: 2 head groups x
     2 query blocks, each a bottom-right causal request of its own."""
     q, k, v, q_cu, kv_cu = make_batch(spec, (2, 64, 48), torch.bfloat16)
-    result = pool.run(q, k, v, q_cu, kv_cu, causal=causal, return_lse=True, kernel=kernel)
+    result = run(pool, q, k, v, q_cu, kv_cu, causal=causal, return_lse=True, kernel=kernel)
     try:
         assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, result.out, result.lse)
     finally:

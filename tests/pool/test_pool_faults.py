@@ -21,6 +21,7 @@ import torch
 
 import zen_mla
 from tests.batches import DTYPES, EMPTY_SPECS, BatchSpec, make_batch
+from tests.pool.jobs import run, submit
 from tests.reference import assert_close_to_reference
 from zen_mla.pool import PoolConfig, WorkerPool
 
@@ -75,8 +76,17 @@ def test_empty_tensors_as_in_process(pool, spec, dtype, return_lse, causal):
         q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, kernel="reference"
     )
     want_out, want_lse = want if return_lse else (want, None)
-    result = pool.run(
-        q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, kernel="reference", timeout=60
+    result = run(
+        pool,
+        q,
+        k,
+        v,
+        q_cu,
+        kv_cu,
+        causal=causal,
+        return_lse=return_lse,
+        kernel="reference",
+        timeout=60,
     )
     try:
         assert result.out.shape == want_out.shape and result.out.dtype == dtype
@@ -134,17 +144,17 @@ def test_out_of_descriptors_work_is_sent_and_no_worker_dies(pool):
     inputs.append(buf.tensor(q.nbytes + k.nbytes, v.shape, v.dtype).copy_(v))
     pool.release(pool.buffer(q.nbytes))  # a new buffer of the output's size, in the cache
     with descriptors_exhausted():
-        job = pool.submit(*inputs, q_cu, kernel="reference", inputs=buf)
+        job = submit(pool, *inputs, q_cu, kernel="reference", inputs=buf)
         result = job.result(60)
         with pytest.raises(zen_mla.ServiceUnavailableError, match="shared memory"):
             pool.buffer(1 << 20)
         with pytest.raises(zen_mla.ServiceUnavailableError, match="shared memory"):
-            pool.submit(q, k, v, q_cu, kernel="reference")  # needs a staging buffer
+            submit(pool, q, k, v, q_cu, kernel="reference")  # needs a staging buffer
     assert_close_to_reference(q, k, v, q_cu, None, True, result.out)
     result.release()
     pool.release(buf)
     assert _identities(pool) == before and all(w["alive"] for w in pool.workers())
-    pool.run(q, k, v, q_cu, kernel="reference", timeout=60).release()
+    run(pool, q, k, v, q_cu, kernel="reference", timeout=60).release()
 
 
 @pytest.mark.slow
@@ -165,7 +175,7 @@ def test_a_replacement_is_retried_until_descriptors_return(pool, caplog):
             time.sleep(0.05)
     freed = time.monotonic()
     took = _wait_all_alive(pool, timeout=60)
-    result = pool.run(q, k, v, q_cu, causal=False, kernel="reference", timeout=60)
+    result = run(pool, q, k, v, q_cu, causal=False, kernel="reference", timeout=60)
     result.release()
     served = time.monotonic() - freed
     failures = [r for r in caplog.records if "could not spawn a replacement" in r.getMessage()]
@@ -193,11 +203,11 @@ def test_a_failed_send_fails_the_work_not_the_worker(pool, monkeypatch):
 
         monkeypatch.setattr(w.proc, "send", failing)
     with pytest.raises(zen_mla.ServiceUnavailableError, match="No buffer space"):
-        pool.run(q, k, v, q_cu, kernel="reference", timeout=30)
+        run(pool, q, k, v, q_cu, kernel="reference", timeout=30)
     assert sends
     monkeypatch.undo()
     assert _identities(pool) == before and all(w["alive"] for w in pool.workers())
-    result = pool.run(q, k, v, q_cu, kernel="reference", timeout=30)
+    result = run(pool, q, k, v, q_cu, kernel="reference", timeout=30)
     assert_close_to_reference(q, k, v, q_cu, None, True, result.out)
     result.release()
 
@@ -215,9 +225,9 @@ def test_the_dispatcher_survives_its_own_errors(pool, monkeypatch):
 
         monkeypatch.setattr(w, "_run_on", broken)
     with pytest.raises(zen_mla.KernelError, match="a bug"):
-        pool.run(q, k, v, q_cu, kernel="reference", timeout=30)
+        run(pool, q, k, v, q_cu, kernel="reference", timeout=30)
     assert all(w.thread is not None and w.thread.is_alive() for w in pool._dispatchers)
-    pool.run(q, k, v, q_cu, kernel="reference", timeout=30).release()  # served again
+    run(pool, q, k, v, q_cu, kernel="reference", timeout=30).release()  # served again
 
 
 @pytest.mark.slow
@@ -234,7 +244,7 @@ def test_lost_work_is_retried_before_the_replacement_starts(pool, monkeypatch):
     monkeypatch.setattr(pool, "_new_process", slow_start)
     q, k, v, q_cu = _slow_batch(2000)
     want = zen_mla.ragged_attention(q, k, v, q_cu, causal=False, kernel="reference")
-    job = pool.submit(q, k, v, q_cu, causal=False, kernel="reference")
+    job = submit(pool, q, k, v, q_cu, causal=False, kernel="reference")
     victim = _busy(pool)
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
@@ -257,7 +267,7 @@ def test_a_stopped_busy_worker_is_reported_and_left_to_resume():
     config = PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)
     with WorkerPool(config) as pool:
         q, k, v, q_cu = _slow_batch(5000)
-        job = pool.submit(q, k, v, q_cu, causal=False, kernel="reference")
+        job = submit(pool, q, k, v, q_cu, causal=False, kernel="reference")
         worker = _busy(pool)
         os.kill(worker["pid"], signal.SIGSTOP)
         try:
@@ -302,7 +312,7 @@ def test_a_stopped_idle_worker_is_replaced():
         assert now["pid"] != worker["pid"] and now["restarts"] == 1, now
         assert wait_gone(worker["pid"], 5) is not None
         q, k, v, q_cu, _ = make_batch(BatchSpec([20]), (2, 64, 64), torch.float32)
-        pool.run(q, k, v, q_cu, kernel="reference", timeout=60).release()
+        run(pool, q, k, v, q_cu, kernel="reference", timeout=60).release()
         print(f"stopped idle worker replaced within {took:.2f} s")
 
 
@@ -311,6 +321,7 @@ def test_a_stopped_idle_worker_is_replaced():
 ORPHAN_SCRIPT = """
 import os, signal, sys, time
 import torch
+from tests.pool.jobs import submit
 from zen_mla.pool import PoolConfig, WorkerPool
 
 pool = WorkerPool(PoolConfig(workers=1, ping_interval=0.2)).start()
@@ -323,7 +334,7 @@ if sys.argv[1] == "replaced":  # the worker to orphan is a replacement
             break
         time.sleep(0.1)
 x = torch.randn(8000, 4, 128)
-job = pool.submit(x, x, x, torch.tensor([0, 8000]), causal=False, kernel="reference")
+job = submit(pool, x, x, x, torch.tensor([0, 8000]), causal=False, kernel="reference")
 for _ in range(3000):
     if pool.workers()[0]["state"] == "busy":
         break
@@ -395,7 +406,7 @@ def test_workers_outlive_the_thread_that_started_them():
         time.sleep(1.0)
         assert not gone(pid) and pool.workers()[0]["alive"]
         q, k, v, q_cu, _ = make_batch(BatchSpec([20]), (2, 64, 64), torch.float32)
-        pool.run(q, k, v, q_cu, kernel="reference", timeout=60).release()
+        run(pool, q, k, v, q_cu, kernel="reference", timeout=60).release()
         assert pool.workers()[0]["pid"] == pid
     finally:
         pool.close()

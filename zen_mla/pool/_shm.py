@@ -172,9 +172,9 @@ class BufferCache:
 
     def stage(
         self, tensors: Sequence[torch.Tensor]
-    ) -> tuple[SharedBuffer, tuple[torch.Tensor, ...], int]:
+    ) -> tuple[SharedBuffer, tuple[torch.Tensor, ...]]:
         """Copies of `tensors`, one after another (cache-line aligned) in one buffer from the
-        cache; the buffer, the copies and the bytes they take."""
+        cache; the buffer and the copies."""
         sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
         buf = self.get(sum(sizes))
         offset, staged = 0, []
@@ -183,20 +183,19 @@ class BufferCache:
             dst.copy_(t)
             staged.append(dst)
             offset += size
-        return buf, tuple(staged), sum(sizes)
+        return buf, tuple(staged)
 
     def place(
         self, tensors: Sequence[torch.Tensor], given: Sequence[SharedBuffer]
-    ) -> tuple[list[SharedBuffer], tuple[torch.Tensor, ...], SharedBuffer | None, int]:
+    ) -> tuple[list[SharedBuffer], tuple[torch.Tensor, ...], SharedBuffer | None]:
         """Each tensor's buffer among `given` where all lie in one of them (read in place);
-        else copies of them all in a staged buffer from the cache (returned third, with the
-        bytes copied)."""
+        else copies of them all in a staged buffer from the cache (returned third)."""
         homes = [next((b for b in given if b.contains(t)), None) for t in tensors]
         if all(home is not None for home in homes):
-            return [h for h in homes if h is not None], tuple(tensors), None, 0
+            return [h for h in homes if h is not None], tuple(tensors), None
         # Inputs from ordinary memory: one copy into shared memory is unavoidable here.
-        staging, staged, nbytes = self.stage(tensors)
-        return [staging] * len(tensors), staged, staging, nbytes
+        staging, staged = self.stage(tensors)
+        return [staging] * len(tensors), staged, staging
 
     def outputs(
         self, tq: int, heads: int, v_head_dim: int, dtype: torch.dtype, return_lse: bool

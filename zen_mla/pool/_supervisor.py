@@ -12,14 +12,12 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-import torch
-
-from ..attention.batch import RaggedBatch, validate
-from ..attention.select import host_status, select_kernel
+from ..attention.batch import RaggedBatch
+from ..attention.select import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._dispatch import Dispatcher
@@ -64,8 +62,6 @@ class WorkerPool:
             )
             for s in self.slots
         ]
-        #: input bytes copied into shared memory because they came from ordinary memory
-        self.staged_bytes = 0
         self._warm_zentorch = host_status().sdpa_ok
 
     # -- life cycle --------------------------------------------------------------------------
@@ -167,8 +163,8 @@ class WorkerPool:
     # -- submission --------------------------------------------------------------------------
 
     def buffer(self, nbytes: int, prefault: bool = True) -> SharedBuffer:
-        """Shared memory to fill (a request body, say) whose tensors `submit(inputs=)` reads in
-        place (`prefault=False`: its pages are left to `fault_in()` as it fills);
+        """Shared memory to fill (a request body, say) whose tensors `submit_batch(inputs=)` reads
+        in place (`prefault=False`: its pages are left to `fault_in()` as it fills);
         ServiceUnavailableError (try again) when out of descriptors or memory."""
         return self._cache.get(nbytes, prefault)
 
@@ -179,26 +175,6 @@ class WorkerPool:
 
     def release(self, buf: SharedBuffer) -> None:
         self._cache.put(buf)
-
-    def submit(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_cu_seq_lens: torch.Tensor,
-        kv_cu_seq_lens: torch.Tensor | None = None,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        kernel: str = "auto",
-        inputs: SharedBuffer | None = None,
-    ) -> PoolJob:
-        """Validate and queue a ragged batch (arguments as `zen_mla.ragged_attention`); a server
-        calls `PrefillEngine`, which adds the work cap, and `submit_batch`."""
-        batch = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
-        chosen = select_kernel(kernel, batch.q.dtype, return_lse=return_lse)
-        return self.submit_batch(batch, chosen.name, return_lse=return_lse, inputs=inputs)
 
     def submit_batch(
         self,
@@ -223,14 +199,13 @@ class WorkerPool:
         out_buf, out, lse = outputs
         given = [inputs] if isinstance(inputs, SharedBuffer) else list(inputs or ())
         try:
-            (q_home, k_home, v_home), tensors, staging, copied = self._cache.place(
+            (q_home, k_home, v_home), tensors, staging = self._cache.place(
                 (batch.q, batch.k, batch.v), given
             )
         except ServiceUnavailableError:
             if cache is not None:
                 cache.put(out_buf)
             raise
-        self.staged_bytes += copied
 
         job = PoolJob(kernel=kernel)
         buffers = list({id(b): b for b in (q_home, k_home, v_home, out_buf)}.values())
@@ -286,12 +261,3 @@ class WorkerPool:
             self._jobs.discard(job)
         # drop the closures holding the job's shared buffers: freed now, not at the next gc
         job._finish = None
-
-    def run(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> PoolResult:
-        """`submit(...)` and wait; on timeout the job is abandoned and TimeoutError raised."""
-        job = self.submit(*args, **kwargs)
-        try:
-            return job.result(timeout)
-        except (TimeoutError, CancelledError):
-            job.cancel()
-            raise
