@@ -68,7 +68,7 @@ def on_pool(pool: WorkerPool, x: dict[str, torch.Tensor], **kw: bool) -> Callabl
 
     def call() -> None:
         # per call, as the engine's prepare() and run() do per request
-        batch = validate(*shared, q_cu, kv_cu, causal=causal)
+        batch = validate(*shared, q_cu, kv_cu, causal=causal, scale=None)
         kernel = select_kernel("auto", batch.q.dtype, return_lse=return_lse).name
         pool.submit_batch(batch, kernel, return_lse=return_lse, inputs=buf).result().release()
 
