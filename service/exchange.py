@@ -24,22 +24,23 @@ from zen_mla import (
     BodyTooLargeError,
     KernelError,
     LengthRequiredError,
-    ServiceUnavailableError,
     UnauthorizedError,
     ZenMLAError,
     status_of,
 )
+from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
 from zen_mla.pool import SharedBuffer
 
 from .admission import Ticket
 from .body import SMALL_BYTES, give_back, read_body
-from .state import ServiceState
+from .state import ServiceState, readiness
 
 __all__ = [
     "ClientGoneError",
     "Exchange",
     "admit",
+    "answer_metadata",
     "authorize",
     "byte_count",
     "compute",
@@ -69,13 +70,10 @@ def authorize(state: ServiceState, request: Request) -> None:
 
 
 def gate(state: ServiceState, request: Request) -> PrefillEngine:
-    """Checks every compute request passes first: serving, ready, the token."""
-    if state.draining:
-        raise ServiceUnavailableError("the service is draining for shutdown", retry_after=5)
-    if not state.ready or state.engine is None:
-        raise ServiceUnavailableError(
-            state.start_error or "the worker pool is starting", retry_after=5
-        )
+    """Checks every compute request passes first: admitting (`readiness`), the token."""
+    now = readiness(state)
+    if not now.admitting or state.engine is None:
+        raise now.error(retry_after=5)
     authorize(state, request)
     return state.engine
 
@@ -302,6 +300,18 @@ def _abandon(
     task = asyncio.ensure_future(finish())
     state.abandoned.add(task)
     task.add_done_callback(state.abandoned.discard)
+
+
+def answer_metadata(kernels: KernelChoice, request_id: str | None = None) -> dict[str, str]:
+    """What every answer says about its work, whatever its form: `kernel` (what computed out),
+    `lse_kernel` (what computed lse, when asked) and the request's `request_id` (when it gave
+    one and the form carries it here: a /v2 answer has its own `id`)."""
+    meta = {"kernel": kernels.out}
+    if kernels.lse is not None:
+        meta["lse_kernel"] = kernels.lse
+    if request_id:
+        meta["request_id"] = request_id
+    return meta
 
 
 def timed(response: R, ingest_s: float, queue_s: float, compute_s: float, x: Exchange) -> R:

@@ -1,12 +1,15 @@
-"""What the service holds while it runs: its engine, its regions, its admission, its metrics."""
+"""What the service holds while it runs (`ServiceState`: its engine, regions, admission and
+metrics), and the one readiness: whether it can take work now, and why not (`readiness`)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from zen_mla import ServiceUnavailableError
 from zen_mla.engine import PrefillEngine
 from zen_mla.regions.registry import RegionRegistry
 from zen_mla.regions.server import RegionServer
@@ -16,7 +19,7 @@ from .kserve.system_shm import SystemShmRegistry
 from .metrics import Metrics
 from .settings import Settings
 
-__all__ = ["ServiceState"]
+__all__ = ["Readiness", "ServiceState", "readiness"]
 
 
 @dataclass
@@ -48,3 +51,65 @@ class ServiceState:
     def inflight(self) -> int:
         """Requests admitted and not answered: bodies being read, queued or computing."""
         return self.admission.inflight
+
+
+Status = Literal["ok", "degraded", "no_worker", "starting", "failed", "draining"]
+
+
+class Readiness:
+    """Whether the service can take work, and why not, as of `readiness(state)`. The workers are
+    asked only when a caller needs them (`status`, `ready`, `workers`): asking takes each
+    worker's lock and a waitpid, which the compute routes' gate (`admitting`) need not pay on
+    every request."""
+
+    def __init__(self, engine: PrefillEngine | None, phase: Status, reason: str | None) -> None:
+        self._engine = engine
+        self._phase = phase  # "ok" here: the engine runs; its workers are not asked yet
+        self._reason = reason
+
+    @functools.cached_property
+    def workers(self) -> list[dict[str, Any]]:
+        """The engine's workers, asked once."""
+        return self._engine.workers() if self._engine is not None else []
+
+    @property
+    def status(self) -> Status:
+        """/health's word: "ok", "degraded" (some worker down), "no_worker", "starting",
+        "failed" or "draining"."""
+        if self._phase != "ok":
+            return self._phase
+        alive = sum(bool(w["alive"]) for w in self.workers)
+        if alive == 0:
+            return "no_worker"
+        return "degraded" if alive < len(self.workers) else "ok"
+
+    @property
+    def ready(self) -> bool:
+        """A worker can take work now (/health and the /v2 readiness answer 200)."""
+        return self.status in ("ok", "degraded")
+
+    @property
+    def admitting(self) -> bool:
+        """Compute requests are let in: the engine runs and the service is not draining. With
+        no worker alive they still are: the pool replaces dead workers and queued work waits
+        for them (a worker killed mid-request is retried, not refused)."""
+        return self._phase == "ok"
+
+    def error(self, retry_after: float | None = None) -> ServiceUnavailableError:
+        """The 503 that says why the service cannot take work."""
+        reason = self._reason
+        if reason is None and self.status == "no_worker":
+            reason = "no worker is alive; they are being replaced"
+        return ServiceUnavailableError(reason or "", retry_after)
+
+
+def readiness(state: ServiceState) -> Readiness:
+    """Whether the service can take work now, and why not: draining for shutdown, its engine
+    failed or still starting, or no worker alive."""
+    if state.draining:
+        return Readiness(state.engine, "draining", "the service is draining for shutdown")
+    if state.start_error:
+        return Readiness(state.engine, "failed", state.start_error)
+    if not state.ready or state.engine is None:
+        return Readiness(state.engine, "starting", "the worker pool is starting")
+    return Readiness(state.engine, "ok", None)

@@ -18,7 +18,7 @@ from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
 from ..body import SMALL_BYTES
-from ..exchange import stream
+from ..exchange import answer_metadata, stream
 from . import request as kr
 from .system_shm import SystemRegion, SystemShmRegistry
 
@@ -115,9 +115,7 @@ async def respond(
 ) -> Response:
     """The response: outputs in regions (written by pwrite unless the workers wrote them),
     binary after the JSON, or as JSON numbers."""
-    meta = {"kernel": result.kernels.out}
-    if result.kernels.lse is not None:
-        meta["lse_kernel"] = result.kernels.lse
+    meta = answer_metadata(result.kernels)  # the request's id is the answer's own `id`
     tensors = {"out": result.out, "lse": result.lse}
     entries, chunks = [], []
     try:

@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 
 from zen_mla import (
     InvalidInputError,
-    ServiceUnavailableError,
     WireFormatError,
     ZenMLAError,
     status_of,
@@ -23,7 +22,7 @@ from zen_mla import (
 
 from ..exchange import Exchange, authorize, handle, receive_small
 from ..problems import problem_headers
-from ..state import ServiceState
+from ..state import ServiceState, readiness
 from . import request as kr
 from .infer import serve_infer
 from .system_shm import SystemShmRegistry, off_error
@@ -80,13 +79,9 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         return wrapper
 
     def ready() -> None:
-        engine = state.engine
-        if state.draining:
-            raise ServiceUnavailableError("the service is draining for shutdown")
-        if not state.ready or engine is None:
-            raise ServiceUnavailableError(state.start_error or "the worker pool is starting")
-        if not engine.ready():
-            raise ServiceUnavailableError("no worker is alive; they are being replaced")
+        now = readiness(state)
+        if not now.ready:
+            raise now.error()
 
     @app.get("/v2", tags=["v2"], responses=ERROR_RESPONSES)
     @guarded
@@ -167,10 +162,8 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         authorize(state, request)
         if not state.settings.system_shm:
             raise off_error()
-        if state.system_shm is None:
-            raise ServiceUnavailableError(
-                state.start_error or "the worker pool is starting", retry_after=5
-            )
+        if state.system_shm is None:  # made as the engine starts
+            raise readiness(state).error(retry_after=5)
         return state.system_shm
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from ..state import ServiceState
+from ..state import ServiceState, readiness
 
 __all__ = ["add_routes"]
 
@@ -43,23 +43,10 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 def _health(state: ServiceState) -> JSONResponse:
     """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
     status = state.zentorch or {}
-    workers = state.engine.workers() if state.engine is not None else []
-    alive = sum(bool(w["alive"]) for w in workers)
-    if state.draining:
-        word = "draining"
-    elif state.start_error:
-        word = "failed"
-    elif not state.ready:
-        word = "starting"
-    elif alive == 0:
-        word = "no_worker"
-    elif alive < len(workers):
-        word = "degraded"
-    else:
-        word = "ok"
+    now = readiness(state)
     a = state.admission
     body = {
-        "status": word,
+        "status": now.status,
         "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
         "kernel": status.get("auto_kernel"),
         "kernel_reason": status.get("reason"),
@@ -71,11 +58,11 @@ def _health(state: ServiceState) -> JSONResponse:
             else None
         ),
         "cpu": status.get("cpu"),
-        "workers": workers,
+        "workers": now.workers,
         "inflight": a.inflight,
         "uploads": a.uploads,
         "queued": a.queued,
         "inflight_bytes": a.inflight_bytes,
         "error": state.start_error,
     }
-    return JSONResponse(body, status_code=200 if word in ("ok", "degraded") else 503)
+    return JSONResponse(body, status_code=200 if now.ready else 503)

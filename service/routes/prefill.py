@@ -19,6 +19,7 @@ from zen_mla.wire import regions_json
 from ..exchange import (
     Exchange,
     admit,
+    answer_metadata,
     compute,
     drop_body,
     gate,
@@ -127,10 +128,5 @@ def send(result: PrefillResult, request_id: str | None) -> StreamingResponse:
     """safetensors header, then out and lse straight from the shared memory the workers wrote
     (`exchange.stream`)."""
     outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
-    meta = {"kernel": result.kernels.out}
-    if result.kernels.lse is not None:
-        meta["lse_kernel"] = result.kernels.lse
-    if request_id:
-        meta["request_id"] = request_id
-    header, chunks = wire.encode(outputs, meta)
+    header, chunks = wire.encode(outputs, answer_metadata(result.kernels, request_id))
     return stream(header, chunks, result, "application/octet-stream")

@@ -1,5 +1,5 @@
-"""`/prefill` requests whose tensors lie in same-host regions (`zen_mla.region_request`): the
-body names places, the workers read and write the client's memory, and the answer names where
+"""`/prefill` requests whose tensors lie in same-host regions (`zen_mla.wire.regions_json`):
+the body names places, the workers read and write the client's memory, and the answer names where
 the results are. The app admits, queues and times them as it does any `/prefill`."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from zen_mla.pool import Outputs, SharedBuffer
 from zen_mla.regions.registry import RegionRegistry
 from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
 from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
+
+from ..exchange import answer_metadata
 
 __all__ = ["RegionWork", "answer", "resolve"]
 
@@ -80,10 +82,6 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
 
 def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> Response:
     """Where the results were written, and what computed them."""
-    meta = {"kernel": kernels.out}
-    if kernels.lse is not None:
-        meta["lse_kernel"] = kernels.lse
-    if request_id:
-        meta["request_id"] = request_id
     written = {n: p for n, p in work.places.items() if n in ("out", "lse")}
+    meta = answer_metadata(kernels, request_id)
     return Response(regions_json.encode(written, meta), media_type=regions_json.MEDIA_TYPE)
