@@ -14,13 +14,14 @@ from fastapi.responses import Response
 from zen_mla import InvalidInputError
 from zen_mla.engine import PrefillRequest, PrefillResult
 from zen_mla.pool import Outputs
+from zen_mla.regions.registry import Span, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
 from ..body import SMALL_BYTES
 from ..exchange import answer_metadata, stream
 from . import request as kr
-from .system_shm import SystemRegion, SystemShmRegistry
+from .system_shm import SHM_DIR, SystemRegion, SystemShmRegistry
 
 __all__ = ["Places", "direct_outputs", "output_places", "respond"]
 
@@ -43,12 +44,12 @@ def output_places(
         "lse": (torch.Size((batch.num_heads, batch.q.shape[0])), torch.float32),
     }
     places: dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None] = {}
-    spans: list[tuple[str, tuple[int, int], int, int]] = []
+    spans: list[Span] = []  # at the object's offsets: two regions may share an object
     for name, spec in req.inputs.items():
         if spec.shm is not None and regions is not None:
             region = regions.resolve(name, spec.shm.region)
             start = region.offset + spec.shm.offset
-            spans.append((name, region.inode, start, start + spec.nbytes))
+            spans.append(Span(name, region.inode, start, start + spec.nbytes, region.name))
     for out in req.outputs:
         shape, dtype = shapes[out.name]
         nbytes = math.prod(shape) * dtype.itemsize
@@ -72,14 +73,8 @@ def output_places(
             )
         region = regions.place(out.name, out.shm.region, out.shm.offset, out.shm.byte_size, dtype)
         start = region.offset + out.shm.offset
-        for other, inode, a, b in spans:
-            if inode == region.inode and start < b and a < start + nbytes:
-                raise InvalidInputError(
-                    out.name,
-                    f"bytes overlapping no other tensor ({other}: [{a}, {b}) of {region.key})",
-                    f"[{start}, {start + nbytes})",
-                )
-        spans.append((out.name, region.inode, start, start + nbytes))
+        spans.append(Span(out.name, region.inode, start, start + nbytes, region.name))
+        check_disjoint(spans, (out.name,), f"same {SHM_DIR} object")
         places[out.name] = (region, shape, dtype)
     return places
 

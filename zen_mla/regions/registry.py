@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from ..wire.dtypes import BY_SAFETENSORS
 from ..wire.regions_json import TensorPlace
 from .memfd import check_sealed_memfd
 
-__all__ = ["Region", "RegionRegistry"]
+__all__ = ["Region", "RegionRegistry", "Span", "check_disjoint"]
 
 
 @dataclass(eq=False)
@@ -141,25 +141,51 @@ class RegionRegistry:
 
     def check_disjoint(self, places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
         """The tensors named `outputs` overlap neither each other nor any other tensor in
-        `places` (a worker writing them must not change what another worker reads); regions
-        are compared by the memory they are, so one memfd behind two handles is one region.
+        `places` (`check_disjoint` below; one memfd behind two handles is one memory).
         `places` holds at most the request's few tensor names."""
-        spans = {
-            n: (self.resolve(p.region).memory, p.offset, p.offset + p.nbytes)
+        spans = [
+            Span(n, self.resolve(p.region).memory, p.offset, p.offset + p.nbytes, p.region)
             for n, p in places.items()
-            if p.nbytes
-        }
-        for name in outputs:
-            if name not in spans:
+        ]
+        check_disjoint(spans, outputs, "same memfd")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes `[start, end)` of one memory, taken by the tensor `name`, which the request reached
+    through the region it calls `region` (a handle, a registered name)."""
+
+    name: str
+    memory: tuple[int, int]  # (st_dev, st_ino): two names of one memory are one memory
+    start: int
+    end: int
+    region: str
+
+
+def check_disjoint(spans: Sequence[Span], outputs: Sequence[str], alias: str) -> None:
+    """The one overlap check of every kind of region: the spans of `outputs` (in that order)
+    overlap no other span, so that a worker writing them cannot change what another reads.
+    Spans are compared by the memory they are, so one memory behind two region names is one;
+    an empty span overlaps nothing. InvalidInputError names the output, the other tensor and
+    both ranges, with `alias` ("same memfd") where the two came through different regions."""
+    for name in outputs:
+        for span in spans:
+            if span.name != name or span.start == span.end:
                 continue
-            memory, a, b = spans[name]
-            for other, (memory2, c, d) in spans.items():
-                if other != name and memory == memory2 and a < d and c < b:
-                    same = "" if places[other].region == places[name].region else ", same memfd"
+            for other in spans:
+                if (
+                    other is not span
+                    and other.memory == span.memory
+                    and other.start < other.end
+                    and span.start < other.end
+                    and other.start < span.end
+                ):
+                    same = "" if other.region == span.region else f", {alias}"
                     raise InvalidInputError(
                         name,
-                        f"bytes overlapping no other tensor ({other}: [{c}, {d}){same})",
-                        f"[{a}, {b})",
+                        f"bytes overlapping no other tensor "
+                        f"({other.name}: [{other.start}, {other.end}){same})",
+                        f"[{span.start}, {span.end})",
                     )
 
 
