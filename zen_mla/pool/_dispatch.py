@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
-from ._job import PoolJob, TaskQueue, _Task
+from ._job import PoolJob, Task, TaskQueue
 from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
@@ -48,7 +48,7 @@ class Dispatcher:
         spawn: Callable[[WorkerSlot], WorkerProcess],
         mappings: WorkerMappings,
         closed: threading.Event,
-        lost: Callable[[_Task, Dispatcher], None],
+        lost: Callable[[Task, Dispatcher], None],
         stranded: Callable[[Dispatcher], None],
     ) -> None:
         self.slot = slot
@@ -61,7 +61,7 @@ class Dispatcher:
         self.proc: WorkerProcess | None = None
         self.state = "starting"  # starting | idle | busy | stuck | stopped
         self.queue = TaskQueue()
-        self.current: _Task | None = None
+        self.current: Task | None = None
         self.restarts = 0
         self.heard_at = 0.0  # time.monotonic() of the process's last message
         self.thread: threading.Thread | None = None
@@ -253,7 +253,7 @@ class Dispatcher:
         elif time.monotonic() - self.heard_at > self._config.ping_timeout:
             self._replace(f"was silent for {self._config.ping_timeout} s while idle")
 
-    def _run_on(self, proc: WorkerProcess, task: _Task) -> Done | Failed | SendFailedError | str:
+    def _run_on(self, proc: WorkerProcess, task: Task) -> Done | Failed | SendFailedError | str:
         """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
         process is lost."""
         if task.job.started_at is None:

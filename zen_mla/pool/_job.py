@@ -1,5 +1,5 @@
 """A submitted batch as its caller holds it (`PoolJob`, then `PoolResult`), one worker's share
-of it (`_Task`) and the queue of shares waiting for one worker (`TaskQueue`)."""
+of it (`Task`) and the queue of shares waiting for one worker (`TaskQueue`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from ._messages import TaskSpec
 from ._shm import BufferCache, SharedBuffer
 
-__all__ = ["PoolJob", "PoolResult", "TaskQueue"]
+__all__ = ["Outputs", "PoolJob", "PoolResult", "Task", "TaskQueue"]
 
 
 class PoolResult:
@@ -109,7 +109,7 @@ class PoolJob:
 
 
 @dataclass(eq=False)
-class _Task:
+class Task:
     """One worker's share of a job: its pieces, in one message. `spec` lacks `buffers` and
     `forget`, which depend on what the worker it goes to has mapped."""
 
@@ -121,7 +121,7 @@ class _Task:
     attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
 
 
-class TaskQueue(queue.Queue[_Task | None]):
+class TaskQueue(queue.Queue[Task | None]):
     """Tasks waiting for one worker (None: stop dispatching); `cost` is theirs summed, kept
     under the queue's own `mutex` as tasks come and go."""
 
@@ -129,11 +129,11 @@ class TaskQueue(queue.Queue[_Task | None]):
         super()._init(maxsize)
         self.cost = 0
 
-    def _put(self, item: _Task | None) -> None:
+    def _put(self, item: Task | None) -> None:
         super()._put(item)
         self.cost += item.cost if item is not None else 0
 
-    def _get(self) -> _Task | None:
+    def _get(self) -> Task | None:
         item = super()._get()
         self.cost -= item.cost if item is not None else 0
         return item
@@ -143,9 +143,9 @@ class TaskQueue(queue.Queue[_Task | None]):
         with self.mutex:
             return self.cost
 
-    def take_all(self) -> list[_Task]:
+    def take_all(self) -> list[Task]:
         """Take the tasks queued, leaving a stop request (None) in place."""
-        moved: list[_Task] = []
+        moved: list[Task] = []
         with contextlib.suppress(queue.Empty):
             for _ in range(self.qsize()):
                 task = self.get_nowait()

@@ -21,7 +21,7 @@ from ..attention.select import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._dispatch import Dispatcher
-from ._job import Outputs, PoolJob, PoolResult, _Task
+from ._job import Outputs, PoolJob, PoolResult, Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
@@ -127,7 +127,7 @@ class WorkerPool:
 
     # -- placing work ------------------------------------------------------------------------
 
-    def _enqueue(self, task: _Task, exclude: Dispatcher | None = None) -> None:
+    def _enqueue(self, task: Task, exclude: Dispatcher | None = None) -> None:
         """Queue `task` on the least-loaded ready worker (other than `exclude`), or, if none is
         ready, on the least-loaded one (it runs when its replacement is up)."""
         with self._place_lock:
@@ -135,7 +135,7 @@ class WorkerPool:
             d = min([o for o in others if o.ready] or others, key=lambda o: o.queue.load)
             d.queue.put(task)
 
-    def _lost(self, task: _Task, dead: Dispatcher) -> None:
+    def _lost(self, task: Task, dead: Dispatcher) -> None:
         """`dead`'s worker died under `task`: run it once more elsewhere, unless closing."""
         if task.job.done():
             return  # abandoned or already failed: nothing to redo
@@ -223,7 +223,7 @@ class WorkerPool:
             batch.q_cu_seq_lens, batch.kv_cu_seq_lens, h, batch.causal, len(self._dispatchers)
         )
         tasks = [
-            _Task(
+            Task(
                 next(self._ids),
                 job,
                 replace(common, pieces=tuple(pieces)),

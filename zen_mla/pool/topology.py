@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CCX", "WorkerSlot", "discover_ccxs", "parse_cpu_list", "plan_workers"]
+__all__ = ["CCX", "SYSFS", "WorkerSlot", "discover_ccxs", "parse_cpu_list", "plan_workers"]
 
 SYSFS = Path("/sys/devices/system")
 

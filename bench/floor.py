@@ -1,0 +1,136 @@
+"""The call floor: what one prefill call costs beyond its kernel, part by part, for 1 and 256
+tokens (H=16, Dqk=192, Dv=128, bf16, causal), paired medians from one run.
+
+    .venv/bin/python bench/floor.py [--reps 200]
+
+Parts, each measured on its own, in this process unless it says otherwise:
+- kernel: `ragged_attention` in process (what an orchestrator would pay computing itself);
+- prepare: `PrefillEngine.prepare` (validation, caps, kernel choice);
+- engine: prepare + run + result on a started engine with one worker, the inputs already in
+  shared memory: kernel + the pool hop (task to a worker process and back);
+- http floor: `GET /health/live` through httpx on loopback (HTTP and routing, no body);
+- tcp: `PrefillClient(shared_memory=False)`, the tensors in a safetensors body;
+- regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy);
+  its answer's Server-Timing phases (ingest, queue, compute) are given too.
+Starts one `zen-mla serve --workers 1` on a free loopback port and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/e2e.py: no spinning here
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import _common as c
+from e2e import server_timing, start_server
+from kernel import cpu_line
+
+import zen_mla
+from zen_mla import wire
+from zen_mla.client import PrefillClient
+from zen_mla.engine import EngineConfig, PrefillEngine
+from zen_mla.pool import PoolConfig
+from zen_mla.wire import PrefillOptions
+
+TOKENS = (1, 256)
+OCTET = "application/octet-stream"
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()  # warm
+    times = [c.timed(fn) for _ in range(reps)]
+    return statistics.median(times) * 1e3
+
+
+def tensors(tokens: int, make=torch.randn) -> dict[str, torch.Tensor]:
+    q = make((tokens, c.H, c.DQK), dtype=torch.bfloat16)
+    k = make((tokens, c.H, c.DQK), dtype=torch.bfloat16)
+    v = make((tokens, c.H, c.DV), dtype=torch.bfloat16)
+    return {"q": q, "k": k, "v": v, "q_cu_seq_lens": torch.tensor([0, tokens], dtype=torch.int32)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rows: dict[str, dict[int, float]] = {}
+
+    def put(part: str, tokens: int, ms: float) -> None:
+        rows.setdefault(part, {})[tokens] = ms
+
+    with PrefillEngine(EngineConfig(PoolConfig(workers=1))) as engine:
+        for n in TOKENS:
+            t = tensors(n)
+            put(
+                "kernel (in process)",
+                n,
+                median_ms(lambda t=t: zen_mla.ragged_attention(**t), args.reps),
+            )
+            buf = engine.buffer(sum(x.nbytes for x in t.values()) + 4096)
+            at, placed = 0, {}
+            for name, x in t.items():
+                placed[name] = buf.tensor(at, tuple(x.shape), x.dtype).copy_(x)
+                at += (x.nbytes + 63) // 64 * 64
+            put("prepare", n, median_ms(lambda p=placed: engine.prepare(p), args.reps))
+
+            def through_engine(p=placed, b=buf) -> None:
+                engine.run(engine.prepare(p, PrefillOptions()), inputs=b).result(60).release()
+
+            put("engine (prepare + pool hop + kernel)", n, median_ms(through_engine, args.reps))
+
+    proc, url = start_server("httptools")
+    try:
+        with httpx.Client(base_url=url) as h:
+            put(
+                "http floor (GET /health/live)",
+                1,
+                median_ms(lambda: h.get("/health/live"), args.reps),
+            )
+            for n in TOKENS:
+                t = tensors(n)
+                header, chunks = wire.encode(t, {})
+                body = header + b"".join(bytes(x) for x in chunks)
+                phases: dict[str, list[float]] = {}
+
+                def raw(body=body, phases=phases) -> None:
+                    r = h.post("/prefill", content=body, headers={"Content-Type": OCTET})
+                    for name, ms in server_timing(r).items():
+                        phases.setdefault(name, []).append(ms * 1e3)
+
+                put("tcp, prebuilt body, answer not decoded", n, median_ms(raw, args.reps))
+                for name, values in phases.items():
+                    put(f"  server: {name}", n, statistics.median(values))
+        for n in TOKENS:
+            with PrefillClient(url, shared_memory=False) as client:
+                t = tensors(n)
+                put("tcp (PrefillClient)", n, median_ms(lambda t=t: client.prefill(**t), args.reps))
+            with PrefillClient(url, shared_memory=True) as client:
+                t = tensors(n, make=lambda shape, dtype: client.empty(shape, dtype).normal_())
+                put(
+                    "regions (PrefillClient, empty())",
+                    n,
+                    median_ms(lambda t=t: client.prefill(**t), args.reps),
+                )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(f"CPU: {cpu_line(zen_mla.zentorch_status())}")
+    header = ["part", *[f"{n} token{'s' if n > 1 else ''} ms" for n in TOKENS]]
+    body = [[part, *[f"{v[n]:.3f}" if n in v else "-" for n in TOKENS]] for part, v in rows.items()]
+    print(c.table(header, body))
+
+
+if __name__ == "__main__":
+    main()
