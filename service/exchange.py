@@ -1,5 +1,5 @@
 """What every compute route shares, whatever its wire format (`/prefill`, `/v2/.../infer`): the
-gate (serving, ready, token), admission before a body byte is read, the body through the one
+gate (`state.readiness`, the token), admission before a body byte is read, the body through the one
 reader, the wait on the engine within the deadline while watching the client, the log line and
 metrics of each request, and responses streamed from the shared memory the workers wrote."""
 

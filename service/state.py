@@ -41,7 +41,8 @@ class ServiceState:
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
-    # work whose client hung up, running on to its end (`_abandon`); owned by the event loop
+    # work whose client hung up, running on to its end (`exchange._abandon`); owned by the
+    # event loop
     abandoned: set[asyncio.Future[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The Open Inference Protocol's (KServe v2) inference request and response, for the
 `mla_prefill` model: the request's JSON read into a checked `InferRequest`, and the response's
 JSON written. Where tensor bytes lie (after the JSON, in the JSON, in system shared memory) is
-recorded here; `kserve` fetches them.
+recorded here; `kserve.infer` and `kserve.outputs` fetch and write them.
 
 Every rule broken names the tensor or field (`q.datatype: expected one of BF16, FP16, FP32, got
 'INT8'`): a body that cannot be read as such a request is a 400 (`WireFormatError`), a request

@@ -1,1 +1,1 @@
-"""The HTTP routes of zen-mla's own API: health and metrics, `/prefill`."""
+"""The routes of zen-mla's own HTTP API: health and metrics, and `/prefill` in both body forms."""

@@ -1,6 +1,6 @@
 """`/prefill` requests whose tensors lie in same-host regions (`zen_mla.wire.regions_json`):
-the body names places, the workers read and write the client's memory, and the answer names where
-the results are. The app admits, queues and times them as it does any `/prefill`."""
+the body names places, the workers read and write the client's memory, and the answer names
+where the results are. `routes.prefill` admits, queues and times them as any `/prefill`."""
 
 from __future__ import annotations
 
