@@ -6,6 +6,7 @@ every name one module imports from another is in that module's `__all__`."""
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,18 +151,8 @@ def test_what_one_module_imports_from_another_is_in_its_all():
                 continue
             if (name + ".").startswith(target + "."):
                 continue  # a package's own __init__, read by its modules
-            tree = ast.parse(MODULES[target].read_text())
-            public = _all(tree)
+            public = getattr(importlib.import_module(target), "__all__", None)
             if public is None:
                 continue
-            missing += [f"{name}: {target}.{n}" for n in names if n not in public]
+            missing += [f"{name}: {target}.{n}" for n in names if n not in public and n != "*"]
     assert not missing, "\n".join(missing)
-
-
-def _all(tree: ast.Module) -> set[str] | None:
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
-        ):
-            return {e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant)}
-    return None

@@ -9,64 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
-    BodyTooLargeError,
-    DeadlineExceededError,
-    ForbiddenError,
-    HeadersTooLargeError,
-    InvalidInputError,
-    KernelError,
-    KernelUnavailableError,
-    LengthRequiredError,
-    NotFoundError,
-    OverloadedError,
-    PoolClosedError,
-    ProtocolError,
-    QueueFullError,
-    RequestRejectedError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
-    SharedMemoryUnavailableError,
-    UnauthorizedError,
-    UnsupportedMediaTypeError,
-    WireFormatError,
-    WorkTooLargeError,
-    ZenMLAError,
-    status_of,
-)
+from . import errors
+from .errors import *  # noqa: F403  (the one exception tree is the package's face)
 
 if TYPE_CHECKING:
     from .attention import KernelChoice, kernel_choice, ragged_attention, zentorch_status
 
-__all__ = [
-    "BodyTooLargeError",
-    "DeadlineExceededError",
-    "ForbiddenError",
-    "HeadersTooLargeError",
-    "InvalidInputError",
-    "KernelChoice",
-    "KernelError",
-    "KernelUnavailableError",
-    "LengthRequiredError",
-    "NotFoundError",
-    "OverloadedError",
-    "PoolClosedError",
-    "ProtocolError",
-    "QueueFullError",
-    "RequestRejectedError",
-    "RequestTimeoutError",
-    "ServiceUnavailableError",
-    "SharedMemoryUnavailableError",
-    "UnauthorizedError",
-    "UnsupportedMediaTypeError",
-    "WireFormatError",
-    "WorkTooLargeError",
-    "ZenMLAError",
-    "kernel_choice",
-    "ragged_attention",
-    "status_of",
-    "zentorch_status",
-]
+__all__ = ["KernelChoice", "kernel_choice", "ragged_attention", "zentorch_status"]
+__all__ += errors.__all__
 
 __version__ = "0.1.0"
 

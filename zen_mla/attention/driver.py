@@ -3,13 +3,12 @@ run (equal-shape neighbours as one strided call), bottom-right causal, V padded 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from .batch import RaggedBatch
-from .kernels import AttentionKernel
+from .kernels import AttentionKernel, KernelCall
 
 __all__ = ["MASK_BUDGET_BYTES", "attend"]
 
@@ -92,7 +91,15 @@ def attend(
         q_r = _heads_first(batch.q, run.q_start, run.count, run.sq)
         k_r = _heads_first(batch.k, run.kv_start, run.count, run.sk)
         v_r = _heads_first(v, run.kv_start, run.count, run.sk)
-        call = functools.partial(kernel.forward, scale=batch.scale, return_lse=return_lse)
+
+        def call(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            causal: bool,
+            mask: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return kernel.forward(KernelCall(q, k, v, batch.scale, causal, mask, return_lse))
 
         if not batch.causal:
             dst.put(slice(None), *call(q_r, k_r, v_r, causal=False, mask=None))

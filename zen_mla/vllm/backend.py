@@ -8,12 +8,13 @@ import importlib
 import logging
 import types
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, Protocol, cast, overload
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
 from ..client import PrefillClient
 from ..errors import InvalidInputError
+from ..wire import PrefillOptions
 from .context import ContextKV, call, check_out, lse_of, pool, prefill_with_context
 from .link import ServiceLink
 from .settings import RemoteSettings, default_settings, service_ready
@@ -127,36 +128,6 @@ class RemotePrefillBackend:
             )
         return self._prefill_metadata.query_start_loc
 
-    @overload
-    def run_prefill_new_tokens(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        return_softmax_lse: Literal[False],
-        out: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-    @overload
-    def run_prefill_new_tokens(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        return_softmax_lse: Literal[True],
-        out: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-    @overload
-    def run_prefill_new_tokens(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        return_softmax_lse: bool,
-        out: torch.Tensor | None = None,
-        output_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def run_prefill_new_tokens(
         self,
         q: torch.Tensor,
@@ -186,14 +157,8 @@ class RemotePrefillBackend:
             check_out(out, q, v)
         result, lse = call(
             self.link,
-            q,
-            k,
-            v,
-            self._query_start_loc(),
-            None,
-            causal=True,
-            return_lse=return_softmax_lse,
-            scale=self.scale,
+            (q, k, v, self._query_start_loc(), None),
+            PrefillOptions(causal=True, return_lse=return_softmax_lse, scale=self.scale),
         )
         if out is not None:
             out.copy_(result)
@@ -223,40 +188,14 @@ class RemotePrefillBackend:
             check_out(out, q, v)
         result, lse = call(
             self.link,
-            q,
-            k,
-            v,
-            chunk.query_start_loc,
-            chunk.cu_seq_lens,
-            causal=False,
-            return_lse=True,
-            scale=self.scale,
+            (q, k, v, chunk.query_start_loc, chunk.cu_seq_lens),
+            PrefillOptions(causal=False, return_lse=True, scale=self.scale),
         )
         if out is not None:
             out.copy_(result)
             result = out
         return result, lse_of(lse)
 
-    @overload
-    def run_prefill_with_context(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        context: Sequence[ContextKV],
-        return_softmax_lse: Literal[False] = False,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-    @overload
-    def run_prefill_with_context(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        context: Sequence[ContextKV],
-        return_softmax_lse: Literal[True],
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def run_prefill_with_context(
         self,
         q: torch.Tensor,

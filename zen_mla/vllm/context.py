@@ -8,18 +8,20 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol, overload
+from typing import ClassVar, Protocol
 
 import torch
 
 from ..attention.merge import merge_many
 from ..errors import InvalidInputError, KernelError
+from ..wire import PrefillOptions
 from .settings import DEFAULT_CONCURRENCY
 
 __all__ = [
     "ContextKV",
     "PrefillResult",
     "Prefiller",
+    "RaggedTensors",
     "call",
     "check_out",
     "check_result",
@@ -29,6 +31,8 @@ __all__ = [
 ]
 
 PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+#: q, k, v, q_cu_seq_lens, kv_cu_seq_lens (None: q's)
+RaggedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class Prefiller(Protocol):
@@ -110,55 +114,28 @@ def check_result(
 
 
 def call(
-    client: Prefiller,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu: torch.Tensor,
-    kv_cu: torch.Tensor | None,
-    *,
-    causal: bool,
-    return_lse: bool,
-    scale: float | None,
+    client: Prefiller, tensors: RaggedTensors, options: PrefillOptions
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One piece through `client`, its answer checked (`check_result`); lse is None unless
-    `return_lse`."""
-    got = client.prefill(q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse, scale=scale)
+    """One piece, `(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)`, through `client`, its answer
+    checked (`check_result`); lse is None unless `options.return_lse`."""
+    q, k, v, q_cu, kv_cu = tensors
+    got = client.prefill(
+        q,
+        k,
+        v,
+        q_cu,
+        kv_cu,
+        causal=options.causal,
+        return_lse=options.return_lse,
+        scale=options.scale,
+    )
     out, lse = got if isinstance(got, tuple) else (got, None)
-    if return_lse and lse is None:
+    if options.return_lse and lse is None:
         raise KernelError("the service sent no lse where one was asked for")
     check_result(out, lse, q, v)
     return out, lse
 
 
-@overload
-def prefill_with_context(
-    client: Prefiller,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context: Sequence[ContextKV],
-    *,
-    scale: float | None = None,
-    return_lse: Literal[False] = False,
-    out: torch.Tensor | None = None,
-    executor: Executor | None = None,
-) -> torch.Tensor: ...
-@overload
-def prefill_with_context(
-    client: Prefiller,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context: Sequence[ContextKV],
-    *,
-    scale: float | None = None,
-    return_lse: Literal[True],
-    out: torch.Tensor | None = None,
-    executor: Executor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
 def prefill_with_context(
     client: Prefiller,
     q: torch.Tensor,
@@ -202,7 +179,9 @@ def prefill_with_context(
         check_out(out, q, v)
     if not context:
         new_out, new_lse = call(
-            client, q, k, v, query_start_loc, None, causal=True, return_lse=return_lse, scale=scale
+            client,
+            (q, k, v, query_start_loc, None),
+            PrefillOptions(causal=True, return_lse=return_lse, scale=scale),
         )
         if out is not None:
             out.copy_(new_out)
@@ -210,24 +189,11 @@ def prefill_with_context(
         return (new_out, lse_of(new_lse)) if return_lse else new_out
 
     runner = executor if executor is not None else pool(DEFAULT_CONCURRENCY)
-    pieces = [
-        runner.submit(
-            call, client, q, k, v, query_start_loc, None, causal=True, return_lse=True, scale=scale
-        )
-    ]
+    new = PrefillOptions(causal=True, return_lse=True, scale=scale)
+    chunk = PrefillOptions(causal=False, return_lse=True, scale=scale)
+    pieces = [runner.submit(call, client, (q, k, v, query_start_loc, None), new)]
     pieces += [
-        runner.submit(
-            call,
-            client,
-            q,
-            c.k,
-            c.v,
-            query_start_loc,
-            c.cu_seq_lens,
-            causal=False,
-            return_lse=True,
-            scale=scale,
-        )
+        runner.submit(call, client, (q, c.k, c.v, query_start_loc, c.cu_seq_lens), chunk)
         for c in context
     ]
     concurrent.futures.wait(pieces)

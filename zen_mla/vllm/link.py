@@ -21,14 +21,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import httpx
-import torch
 
 from ..client import PrefillClient
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
-from .context import PrefillResult, call
+from ..wire import PrefillOptions
+from .context import PrefillResult, RaggedTensors, call
 from .settings import RemoteSettings, healthy
 
 __all__ = ["ServiceLink", "Stats", "StatsSnapshot", "stats"]
@@ -71,30 +71,21 @@ class Stats:
 stats = Stats()
 
 
-def _local(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu: torch.Tensor,
-    kv_cu: torch.Tensor | None,
-    *,
-    causal: bool,
-    return_lse: bool,
-    scale: float | None,
-) -> PrefillResult:
+def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillResult:
     """The call computed in this process, as the service computes it (on the CPU: tensors on
     another device come back there)."""
     from .. import ragged_attention  # torch's kernels load on first use
 
-    device = q.device
-    qc, kc, vc, q_cu_c = (t.cpu() for t in (q, k, v, q_cu))
-    kv_cu_c = kv_cu.cpu() if kv_cu is not None else None
-    if return_lse:
+    device = tensors[0].device
+    qc, kc, vc, q_cu, kv_cu = (t.cpu() if t is not None else None for t in tensors)
+    assert qc is not None and kc is not None and vc is not None and q_cu is not None
+    causal, scale = options.causal, options.scale
+    if options.return_lse:
         out, lse = ragged_attention(
-            qc, kc, vc, q_cu_c, kv_cu_c, causal=causal, return_lse=True, scale=scale
+            qc, kc, vc, q_cu, kv_cu, causal=causal, return_lse=True, scale=scale
         )
         return out.to(device), lse.to(device)
-    return ragged_attention(qc, kc, vc, q_cu_c, kv_cu_c, causal=causal, scale=scale).to(device)
+    return ragged_attention(qc, kc, vc, q_cu, kv_cu, causal=causal, scale=scale).to(device)
 
 
 class ServiceLink:
@@ -141,29 +132,20 @@ class ServiceLink:
         with self._lock:
             return self._down_since is None
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_cu_seq_lens: torch.Tensor,
-        kv_cu_seq_lens: torch.Tensor | None = None,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-    ) -> PrefillResult:
-        """As `zen_mla.ragged_attention`: by the service while it answers, else (with the
+    def prefill(self, *args: Any, **options: Any) -> PrefillResult:
+        """As `PrefillClient.prefill` (its arguments: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens],
+        and causal, return_lse, scale): by the service while it answers, else (with the
         fallback) here. The service's answer is checked (`check_result`) before it counts."""
-        args = (q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        tensors: RaggedTensors = (*args, None)[:5]
+        opts = PrefillOptions(**options)
         if not self.settings.fallback:
-            out, lse = call(self.client, *args, causal=causal, return_lse=return_lse, scale=scale)
+            out, lse = call(self.client, tensors, opts)
             stats.add(remote=1)
             return out if lse is None else (out, lse)
         client = self._client_if_up()
         if client is not None:
             try:
-                out, lse = call(client, *args, causal=causal, return_lse=return_lse, scale=scale)
+                out, lse = call(client, tensors, opts)
             except (InvalidInputError, RequestRejectedError):
                 raise  # the service refused this call as sent (422, 401, 413, ...): no outage
             except QueueFullError:
@@ -176,7 +158,7 @@ class ServiceLink:
         with self._lock:
             self._local_calls += 1
         stats.add(local=1)
-        return _local(*args, causal=causal, return_lse=return_lse, scale=scale)
+        return _local(tensors, opts)
 
     def _client_if_up(self) -> PrefillClient | None:
         with self._lock:

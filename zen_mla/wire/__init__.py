@@ -9,36 +9,8 @@ The names below are safetensors.py's, the format most callers want (`wire.encode
 
 from __future__ import annotations
 
-from .safetensors import (
-    MAX_DIM,
-    MAX_HEADER_BYTES,
-    MAX_METADATA_VALUE,
-    MAX_REQUEST_ID,
-    REQUEST_TENSORS,
-    RESPONSE_TENSORS,
-    PrefillOptions,
-    check_request_id,
-    decode,
-    encode,
-    header_length,
-    options_metadata,
-    parse_options,
-    tensor_bytes,
-)
+from . import dtypes, regions_json, safetensors
+from .safetensors import *  # noqa: F403  (the format most callers want)
 
-__all__ = [
-    "MAX_DIM",
-    "MAX_HEADER_BYTES",
-    "MAX_METADATA_VALUE",
-    "MAX_REQUEST_ID",
-    "REQUEST_TENSORS",
-    "RESPONSE_TENSORS",
-    "PrefillOptions",
-    "check_request_id",
-    "decode",
-    "encode",
-    "header_length",
-    "options_metadata",
-    "parse_options",
-    "tensor_bytes",
-]
+__all__ = ["dtypes", "regions_json", "safetensors"]
+__all__ += safetensors.__all__

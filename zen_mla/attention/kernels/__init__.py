@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from .base import AttentionKernel
+from .base import AttentionKernel, KernelCall
 from .reference import ReferenceKernel
 from .torch_flash import TorchFlashKernel
 from .zentorch import ZentorchKernel
 
-__all__ = ["KERNELS", "AttentionKernel", "ReferenceKernel", "TorchFlashKernel", "ZentorchKernel"]
+__all__ = [
+    "KERNELS",
+    "AttentionKernel",
+    "KernelCall",
+    "ReferenceKernel",
+    "TorchFlashKernel",
+    "ZentorchKernel",
+]
 
 KERNELS: dict[str, type[AttentionKernel]] = {
     k.name: k for k in (ZentorchKernel, TorchFlashKernel, ReferenceKernel)

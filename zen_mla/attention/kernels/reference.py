@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import AttentionKernel
+from .base import AttentionKernel, KernelCall
 
 __all__ = ["ReferenceKernel"]
 
@@ -21,17 +21,8 @@ class ReferenceKernel(AttentionKernel):
     needs_equal_head_dims: ClassVar[bool] = False
 
     @classmethod
-    def forward(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        causal: bool,
-        mask: torch.Tensor | None,
-        return_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v, mask, causal, scale = call.q, call.k, call.v, call.mask, call.causal, call.scale
         n, h, sq, _ = q.shape
         sk = k.shape[2]
         # One dense fp32 copy each: matmuls on the strided heads-first views are far slower.
@@ -55,4 +46,4 @@ class ReferenceKernel(AttentionKernel):
             probs = scores.sub_(block_lse.unsqueeze(-1)).exp_()
             out[:, :, a:b] = torch.matmul(probs, v32[:, :, :seen])
             lse[:, :, a:b] = block_lse
-        return out.to(q.dtype), (lse if return_lse else None)
+        return out.to(q.dtype), (lse if call.return_lse else None)

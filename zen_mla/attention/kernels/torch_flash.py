@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import AttentionKernel
+from .base import AttentionKernel, KernelCall
 
 __all__ = ["TorchFlashKernel"]
 
@@ -24,18 +24,8 @@ class TorchFlashKernel(AttentionKernel):
     needs_equal_head_dims: ClassVar[bool] = True
 
     @classmethod
-    def forward(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        causal: bool,
-        mask: torch.Tensor | None,
-        return_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+            call.q, call.k, call.v, 0.0, call.causal, attn_mask=call.mask, scale=call.scale
         )
-        return out, (lse if return_lse else None)
+        return out, (lse if call.return_lse else None)

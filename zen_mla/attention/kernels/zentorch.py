@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
-from .base import AttentionKernel
+from .base import AttentionKernel, KernelCall
 
 __all__ = ["ZentorchKernel", "zentorch_op"]
 
@@ -43,51 +44,29 @@ class ZentorchKernel(AttentionKernel):
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
 
     @classmethod
-    def forward(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        causal: bool,
-        mask: torch.Tensor | None,
-        return_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Strided [n, H, S, D] views of the ragged [T, H, D] tensors are read in place: the
         # kernel takes any strides, so no per-request .contiguous() as in vLLM's loop.
-        if not return_lse:
-            out, _garbage = zentorch_sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
+        if not call.return_lse:
+            out, _garbage = zentorch_sdpa(call)
             return out, None
-        return zentorch_sdpa_with_lse(q, k, v, causal=causal, mask=mask, scale=scale)
+        return zentorch_sdpa_with_lse(call)
 
 
-def zentorch_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def zentorch_sdpa(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's two returns (the second is garbage on ZenDNN's route)."""
     op = zentorch_op()
     assert op is not None, "called only where the selector found the op"
-    out, second = op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    out, second = op(
+        call.q, call.k, call.v, 0.0, call.causal, attn_mask=call.mask, scale=call.scale
+    )
     return out, second
 
 
-def zentorch_sdpa_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def zentorch_sdpa_with_lse(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's flash route, which writes its LSE: taken when grad mode is on and an input
     requires grad. Nothing is differentiated; the graph dies with the outputs' detach."""
+    q, k, v = call.q, call.k, call.v
     with torch.inference_mode(False), torch.enable_grad():
         # Inference tensors (a caller under torch.inference_mode) cannot require grad; V is
         # usually the driver's padded copy, made outside inference mode. Where all three are
@@ -100,5 +79,5 @@ def zentorch_sdpa_with_lse(
             q = q.detach().requires_grad_()
         else:
             v = v.clone().requires_grad_()
-        out, lse = zentorch_sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
+        out, lse = zentorch_sdpa(replace(call, q=q, k=k, v=v))
     return out.detach(), lse.detach()
