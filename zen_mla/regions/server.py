@@ -1,4 +1,4 @@
-"""The Unix socket that same-host clients hand their regions over (protocol: `_region_wire`).
+"""The Unix socket that same-host clients hand their regions over (protocol: `protocol`).
 
 It runs on the event loop, reading through `add_reader` without blocking, so it shares the
 `RegionRegistry` with the HTTP handlers without a lock. Closing a connection ends its regions.
