@@ -22,6 +22,7 @@ from .kserve import routes as kserve
 from .kserve.system_shm import SystemShmRegistry
 from .problems import Problem, problem
 from .routes import health, prefill
+from .routes.calls import socket_calls
 from .settings import Settings
 from .state import ServiceState
 
@@ -132,6 +133,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
         hello_timeout_s=s.header_timeout_s,
         frame_timeout_s=s.header_timeout_s,
         max_unauthenticated=s.shm_max_waiting,
+        calls=socket_calls(state),  # prefill calls on the socket, with no HTTP on their way
     )
     server.start()
     state.regions, state.region_server = registry, server

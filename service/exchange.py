@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -45,9 +45,11 @@ __all__ = [
     "byte_count",
     "compute",
     "content_length",
+    "disconnected",
     "drop_body",
     "gate",
     "handle",
+    "ready_engine",
     "receive",
     "receive_small",
     "stream",
@@ -69,13 +71,19 @@ def authorize(state: ServiceState, request: Request) -> None:
             raise UnauthorizedError("a valid bearer token is required (Authorization: Bearer ...)")
 
 
-def gate(state: ServiceState, request: Request) -> PrefillEngine:
-    """Checks every compute request passes first: admitting (`readiness`), the token."""
+def ready_engine(state: ServiceState) -> PrefillEngine:
+    """The engine, while the service admits compute requests (`readiness`); else its 503."""
     now = readiness(state)
     if not now.admitting or state.engine is None:
         raise now.error(retry_after=5)
-    authorize(state, request)
     return state.engine
+
+
+def gate(state: ServiceState, request: Request) -> PrefillEngine:
+    """Checks every compute request passes first: admitting (`ready_engine`), the token."""
+    engine = ready_engine(state)
+    authorize(state, request)
+    return engine
 
 
 def byte_count(raw: str) -> int | None:
@@ -150,7 +158,8 @@ async def drop_body(engine: PrefillEngine, x: Exchange) -> None:
         await give_back(engine, buf)
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
+    """Returns once the HTTP client hangs up (what `compute` watches for an HTTP request)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -180,25 +189,28 @@ class Exchange:
         return deadline_s - (time.perf_counter() - self.t0)
 
 
-ErrorAnswer = Callable[[ZenMLAError, "Exchange", dict[str, str] | None], Response]
+A = TypeVar("A")
+ErrorAnswer = Callable[[ZenMLAError, "Exchange", dict[str, str] | None], A]
 
 
 async def handle(
     state: ServiceState,
     route: str,
-    work: Callable[[Exchange], Awaitable[Response]],
-    answer_error: ErrorAnswer,
-) -> Response:
-    """One compute request from start to log line: `work` answers it; a zen_mla error is
-    answered by `answer_error` in the route's form, anything else as a 500 of the same form;
-    a client gone is a 499 (in the metrics only). The body's buffer and the admission are given
-    back whatever happened."""
+    work: Callable[[Exchange], Awaitable[A]],
+    answer_error: ErrorAnswer[A],
+    hung_up: Callable[[], A] | None = None,
+) -> A:
+    """One compute request from start to log line: `work` answers it (an HTTP response, or a
+    region-socket reply); a zen_mla error is answered by `answer_error` in the route's form,
+    anything else as a 500 of the same form; a client gone is a 499 (`hung_up`'s answer, which
+    nobody reads; in the metrics only). The body's buffer and the admission are given back
+    whatever happened."""
     x = Exchange(route)
     try:
         return await work(x)
     except (ClientDisconnect, ClientGoneError):
         x.status = 499
-        return Response(status_code=499)
+        return hung_up() if hung_up is not None else cast(A, Response(status_code=499))
     except ZenMLAError as exc:
         x.status = status_of(exc)
         # Answered before the whole body came: the connection closes (lingering, see
@@ -233,13 +245,15 @@ async def handle(
 
 async def compute(
     state: ServiceState,
-    request: Request,
+    gone: Awaitable[None],
     prepared: PrefillRequest,
     run: Callable[[], PrefillJob],
     x: Exchange,
 ) -> tuple[PrefillResult, tuple[float, float]]:
-    """Queue the prepared request and wait for it within the deadline, watching the client;
-    the result, and its (queue, compute) seconds."""
+    """Queue the prepared request and wait for it within the deadline, watching the client
+    (`gone` completes when it hangs up: `disconnected(request)` for HTTP, the region socket's
+    own for a socket call; it is cancelled once the work is done); the result, and its
+    (queue, compute) seconds."""
     s = state.settings
     x.info = {"tq": prepared.num_q_tokens, "tk": prepared.num_kv_tokens, "b": prepared.num_requests}
     assert x.ticket is not None
@@ -251,13 +265,13 @@ async def compute(
     else:
         job = run()
     waiting = asyncio.ensure_future(job.wait(x.remaining(s.deadline_s)))
-    gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
-    watch: set[asyncio.Future[Any]] = {waiting, gone}
+    watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
+    watch: set[asyncio.Future[Any]] = {waiting, watcher}
     await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
     if not waiting.done():
         _abandon(state, job, waiting, x)
         raise ClientGoneError
-    gone.cancel()
+    watcher.cancel()
     result = waiting.result()  # DeadlineExceededError past the deadline
     done_at = time.perf_counter()
     queue_s = (job.started_at or done_at) - job.queued_at

@@ -54,7 +54,8 @@ class Metrics:
             family(
                 "requests_total",
                 "counter",
-                "Prefill requests answered, by route (prefill, v2) and HTTP status.",
+                "Prefill requests answered, by route (prefill, v2, socket: a region-socket call) "
+                "and HTTP status.",
             )
             for (route, status), n in sorted(self.requests.items()):
                 out.append(f'zen_mla_requests_total{{route="{route}",status="{status}"}} {n}')

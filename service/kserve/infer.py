@@ -37,6 +37,7 @@ from ..exchange import (
     byte_count,
     compute,
     content_length,
+    disconnected,
     drop_body,
     gate,
     receive,
@@ -108,7 +109,7 @@ async def serve_infer(
     direct = direct_outputs(req, places)
     run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
     try:
-        result, timing = await compute(state, request, prepared, run, x)
+        result, timing = await compute(state, disconnected(request), prepared, run, x)
     except KernelError:
         _check_regions(req, state.system_shm)  # a worker failed on a region shrunk meanwhile
         raise

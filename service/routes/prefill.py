@@ -21,6 +21,7 @@ from ..exchange import (
     admit,
     answer_metadata,
     compute,
+    disconnected,
     drop_body,
     gate,
     handle,
@@ -100,7 +101,7 @@ async def _from_body(
     options = wire.parse_options(meta)
     prepared = engine.prepare(tensors, options)
     run = functools.partial(engine.run, prepared, inputs=buf)
-    result, timing = await compute(state, request, prepared, run, x)
+    result, timing = await compute(state, disconnected(request), prepared, run, x)
     await drop_body(engine, x)
     response = send(result, x.request_id)
     x.status, x.bytes_out = 200, int(response.headers["content-length"])
@@ -117,7 +118,7 @@ async def _from_regions(
     work = resolve(body, state.regions, engine)
     x.request_id = work.options.request_id
     run = functools.partial(engine.run, work.prepared, inputs=work.inputs, outputs=work.outputs)
-    result, timing = await compute(state, request, work.prepared, run, x)
+    result, timing = await compute(state, disconnected(request), work.prepared, run, x)
     result.release()  # the client's memory: nothing goes back to a cache
     response = answer(work, result.kernels, x.request_id)
     x.status, x.bytes_out = 200, len(response.body)

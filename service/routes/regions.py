@@ -19,7 +19,7 @@ from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
 
 from ..exchange import answer_metadata
 
-__all__ = ["RegionWork", "answer", "resolve"]
+__all__ = ["RegionWork", "answer", "answer_body", "resolve"]
 
 _VALUES = safetensors_names("value")
 _INDEXES = safetensors_names("index")
@@ -80,8 +80,12 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
     return RegionWork(prepared, inputs, outputs, places, options)
 
 
-def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> Response:
-    """Where the results were written, and what computed them."""
+def answer_body(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> bytes:
+    """Where the results were written, and what computed them (a regions JSON)."""
     written = {n: p for n, p in work.places.items() if n in ("out", "lse")}
-    meta = answer_metadata(kernels, request_id)
-    return Response(regions_json.encode(written, meta), media_type=regions_json.MEDIA_TYPE)
+    return regions_json.encode(written, answer_metadata(kernels, request_id))
+
+
+def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> Response:
+    """`answer_body` as an HTTP answer."""
+    return Response(answer_body(work, kernels, request_id), media_type=regions_json.MEDIA_TYPE)

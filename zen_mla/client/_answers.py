@@ -18,7 +18,16 @@ from ..regions.client import Layout
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 
-__all__ = ["Body", "Outputs", "PrefillResult", "answered", "decoded", "health_json", "problem"]
+__all__ = [
+    "Body",
+    "Outputs",
+    "PrefillResult",
+    "answered",
+    "called",
+    "decoded",
+    "health_json",
+    "problem",
+]
 
 MAX_PROBLEM_BYTES = 64 << 10  # of an error's body; the rest is not read
 
@@ -99,16 +108,22 @@ def _json_object(body: bytes | bytearray) -> dict[str, Any] | None:
 
 
 def problem(status: int, body: bytes | bytearray, headers: httpx.Headers) -> ZenMLAError:
-    """The exception the service raised, from its problem+json (one table: `errors`), its fix
-    hint included; a body that is not a JSON object still gives the status's class."""
+    """The exception the service raised, from its problem+json and its Retry-After."""
     found = _json_object(body)
     if found is None:
         found = {"detail": bytes(body[:200]).decode("utf-8", "replace") or f"HTTP {status}"}
+    return _raised(status, found, headers.get("retry-after"))
+
+
+def _raised(status: int, found: Mapping[str, Any], retry_after: object) -> ZenMLAError:
+    """The one translation of a problem (a problem+json's fields, or a region-socket call's
+    error reply, which carries the same) to the exception the service raised (one table:
+    `errors`), its fix hint and retry hint included."""
     name = str(found.get("type", "")).rpartition(":")[2]
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ZenMLAError)):
         cls = BY_STATUS.get(status, ZenMLAError)
-    detail = str(found.get("detail") or f"HTTP {status}")[:2000]
+    detail = str(found.get("detail") or found.get("error") or f"HTTP {status}")[:2000]
     if issubclass(cls, InvalidInputError):
         hint = found.get("hint")
         return cls(
@@ -118,9 +133,9 @@ def problem(status: int, body: bytes | bytearray, headers: httpx.Headers) -> Zen
             hint if isinstance(hint, str) else "",
         )
     if issubclass(cls, OverloadedError):
-        retry = headers.get("retry-after")
-        ok = retry is not None and retry.isascii() and retry.isdigit()
-        return cls(detail, float(retry) if ok and retry else None)
+        retry = str(retry_after) if type(retry_after) in (int, str) else ""
+        ok = retry.isascii() and retry.isdigit() and len(retry) <= 6
+        return cls(detail, float(retry) if ok else None)
     return cls(detail)
 
 
@@ -221,3 +236,21 @@ def health_json(status: int, body: bytearray) -> dict[str, Any]:
             f"/health: expected a JSON object, got HTTP {status} with {bytes(body[:80])!r}"
         )
     return health
+
+
+def called(
+    reply: Mapping[str, Any], layout: Layout, outputs: Outputs, device: torch.device
+) -> PrefillResult:
+    """The results a region-socket call's reply points at, as `answered` reads an HTTP answer:
+    `{"ok": true, "body": <the regions JSON answer>}`, or an error reply raised as its class."""
+    if reply.get("ok") is not True:
+        status = reply.get("status")
+        code = status if type(status) is int else 500
+        raise _raised(code, reply, reply.get("retry_after"))
+    body = reply.get("body")
+    if not isinstance(body, str):
+        raise ProtocolError(f"the call's reply: expected a body, got {type(body).__name__}")
+    return answered(200, bytearray(body.encode()), _NO_HEADERS, layout, outputs, device)
+
+
+_NO_HEADERS = httpx.Headers()

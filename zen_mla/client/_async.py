@@ -13,7 +13,8 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Deadline, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._deadline import Deadline
 
 __all__ = ["AsyncPrefillClient"]
 
@@ -33,6 +34,11 @@ async def _async_call(deadline: Deadline) -> AsyncIterator[None]:
 async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
     for part in parts:
         yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
+
+
+def _over_socket(call: Call, regions: RegionSet) -> PrefillResult | None:
+    with regions.request(call.tensors, call.outputs.return_lse) as layout:
+        return call.over_socket(regions, layout)
 
 
 class AsyncPrefillClient(BaseClient):
@@ -114,6 +120,10 @@ class AsyncPrefillClient(BaseClient):
         if regions is None:
             status, headers, body = await self._send(i, call.post(), call.deadline)
             return call.decoded(status, body, headers)
+        if regions.client.calls:  # the whole call in one thread: copies in, the socket, out
+            result = await asyncio.to_thread(_over_socket, call, regions)
+            if result is not None:
+                return result
         # the copies into the region and out of it run in a thread: the event loop stays free
         stack = contextlib.ExitStack()
         layout = await asyncio.to_thread(

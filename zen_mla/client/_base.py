@@ -27,9 +27,11 @@ from ..errors import (
     ZenMLAError,
 )
 from ..regions.client import Layout, RegionClient, RegionSet
+from ..regions.protocol import MAX_MESSAGE, encode_frame
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
-from ._answers import Outputs, PrefillResult, answered, decoded, health_json
+from ._answers import Outputs, PrefillResult, answered, called, decoded, health_json
+from ._deadline import Deadline, call_budget
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -37,7 +39,6 @@ __all__ = [
     "Balancer",
     "BaseClient",
     "Call",
-    "Deadline",
     "Exchange",
     "Translated",
 ]
@@ -104,38 +105,6 @@ def _authorized(headers: dict[str, str], token: str | None) -> dict[str, str]:
     if token:
         headers["Authorization"] = f"Bearer {token}"
     return headers
-
-
-# -- one call, one deadline ----------------------------------------------------------------------
-
-
-def _budget(timeout: httpx.Timeout | float) -> float | None:
-    """A whole call's seconds: a number as it is; an httpx.Timeout's longest phase (None, no
-    bound, when a phase has none)."""
-    if isinstance(timeout, httpx.Timeout):
-        phases = (timeout.connect, timeout.read, timeout.write, timeout.pool)
-        return None if any(p is None for p in phases) else max(p for p in phases if p is not None)
-    return float(timeout)
-
-
-class Deadline:
-    """When one call (connect, send, wait, read, and the retries with their waits) must end."""
-
-    def __init__(self, budget: float | None) -> None:
-        self.budget = budget
-        self._at = None if budget is None else time.monotonic() + budget
-
-    def remaining(self) -> float | None:
-        """Seconds left, <= 0 once past; None without a bound."""
-        return None if self._at is None else self._at - time.monotonic()
-
-    def check(self) -> None:
-        left = self.remaining()
-        if left is not None and left <= 0:
-            raise self.exceeded()
-
-    def exceeded(self) -> DeadlineExceededError:
-        return DeadlineExceededError(f"no answer within the call's timeout of {self.budget:g} s")
 
 
 # -- endpoints, failures, retries ----------------------------------------------------------------
@@ -301,6 +270,22 @@ class Call:
         content = regions_json.encode(layout.places, self.options)
         return Exchange("POST", "/prefill", wire.MAX_HEADER_BYTES, content, headers)
 
+    def over_socket(self, regions: RegionSet, layout: Layout) -> PrefillResult | None:
+        """The call on the region socket, with no HTTP on its way, where the service takes
+        calls there; None where it does not, or while the socket is busy with another call
+        (the caller posts `region_post(layout)` instead). Blocking, bounded by the deadline."""
+        client = regions.client
+        if not client.calls:
+            return None
+        body = regions_json.encode(layout.places, self.options).decode()
+        frame = {"op": "prefill", "body": body}
+        if len(encode_frame(frame)) > MAX_MESSAGE:  # the service would end the connection
+            return None
+        reply = client.try_call(frame, self.deadline.remaining())
+        if reply is None:
+            return None
+        return called(reply, layout, self.outputs, self.device)
+
     def decoded(self, status: int, body: bytearray, headers: httpx.Headers) -> PrefillResult:
         """The results in the answer to `post()`."""
         return decoded(status, body, headers, self.outputs, self.device)
@@ -329,7 +314,7 @@ class BaseClient:
             raise InvalidInputError("url", "one endpoint URL or more", "none")
         self._balancer = Balancer(len(self._urls))
         self._token, self._retries = token, retries
-        self._budget = _budget(timeout)
+        self._budget = call_budget(timeout)
         self._shared_memory = shared_memory
         # per endpoint: its regions, None where there are none, missing until first asked
         self._regions: dict[int, RegionSet | None] = {}

@@ -13,7 +13,8 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Deadline, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._deadline import Deadline
 from ._transport import DeadlineTransport, sync_call
 
 __all__ = ["PrefillClient"]
@@ -106,6 +107,9 @@ class PrefillClient(BaseClient):
             status, headers, body = self._send(i, call.post(), call.deadline)
             return call.decoded(status, body, headers)
         with regions.request(call.tensors, call.outputs.return_lse) as layout:
+            result = call.over_socket(regions, layout)
+            if result is not None:
+                return result
             status, headers, body = self._send(i, call.region_post(layout), call.deadline)
             return call.answered(status, body, headers, layout)
 

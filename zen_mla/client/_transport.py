@@ -11,7 +11,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from ._base import Deadline
+from ._deadline import Deadline
 
 __all__ = ["DeadlineTransport", "sync_call"]
 

@@ -67,27 +67,58 @@ class RegionClient:
             self._sock.close()
             raise SharedMemoryUnavailableError(f"region socket {path}: {exc}") from exc
 
+    @property
+    def closed(self) -> bool:
+        """The connection ended (a failed exchange closes it): its regions are gone."""
+        return self._sock.fileno() == -1
+
+    @property
+    def calls(self) -> bool:
+        """The service takes prefill calls on this socket (`prefill` frames)."""
+        return self.hello.get("calls") is True
+
     def _call(self, message: dict[str, Any], fd: int | None = None) -> dict[str, Any]:
         with self._lock:
-            try:
-                deadline = time.monotonic() + self._timeout
-                self._sock.settimeout(self._timeout)
-                send_frame(self._sock, message, fd)
-                reply = recv_frame(self._sock, deadline, decode_object)
-            except TimeoutError as exc:
-                self._sock.close()
-                raise DeadlineExceededError(
-                    f"the region socket did not answer within {self._timeout} s"
-                ) from exc
-            except OSError as exc:
-                self._sock.close()
-                raise SharedMemoryUnavailableError(f"the region socket failed: {exc}") from exc
-            except FrameError as exc:
-                self._sock.close()
-                raise ProtocolError(f"the region socket's reply: {exc}"[:300]) from exc
+            reply = self._exchange(message, fd, self._timeout)
         if reply.get("ok") is not True:
             raise _refusal(reply)
         return reply
+
+    def try_call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any] | None:
+        """One prefill call's exchange, its reply as it came (the caller reads it), waiting at
+        most `timeout` seconds (None: as long as it takes); None, without a byte sent, while
+        another exchange holds the connection (the service answers one call per connection
+        at a time: the caller goes another way)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._exchange(message, None, timeout)
+        finally:
+            self._lock.release()
+
+    def _exchange(
+        self, message: dict[str, Any], fd: int | None, timeout: float | None
+    ) -> dict[str, Any]:
+        """Send, then read the reply by `timeout`; the lock held. A failure closes the
+        connection: a reply may still be on its way, and would be taken for the next one's."""
+        try:
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._sock.settimeout(timeout)
+            send_frame(self._sock, message, fd)
+            return recv_frame(self._sock, deadline, decode_object)
+        except TimeoutError as exc:
+            self._sock.close()
+            raise DeadlineExceededError(
+                f"the region socket did not answer within {timeout} s"
+            ) from exc
+        except OSError as exc:
+            self._sock.close()
+            raise SharedMemoryUnavailableError(f"the region socket failed: {exc}") from exc
+        except FrameError as exc:
+            self._sock.close()
+            raise ProtocolError(f"the region socket's reply: {exc}"[:300]) from exc
 
     def register(self, fd: int) -> str:
         handle = self._call({"op": "register"}, fd).get("region")

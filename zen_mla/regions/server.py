@@ -10,6 +10,11 @@ first), so only authenticated ones count toward `max_clients`. Every frame is ca
 `MAX_MESSAGE` bytes and, once its first byte came, must be whole within `frame_timeout_s`; a
 connection holds at most one pending descriptor, and only a `register` frame may carry it. An
 idle authenticated connection stays open: it is the lifetime of its client's regions.
+
+Where the service passes a `calls` hook, a connection that said hello may also send a `prefill`
+frame (a call, with no HTTP on its way): the hook answers it. While a call runs, the connection
+is not read (a second frame waits in the socket until the reply is sent); it is only watched
+for its end (a peek), which the hook sees as `gone` resolving.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +43,11 @@ from ..errors import (
 from .protocol import FrameError, FrameReader, encode_frame
 from .registry import Region, RegionRegistry
 
-__all__ = ["RegionServer"]
+__all__ = ["Calls", "RegionServer"]
+
+#: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
+#: hangs up) -> the reply frame
+Calls = Callable[[dict[str, Any], "asyncio.Future[None]"], Awaitable[dict[str, Any]]]
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -55,6 +65,7 @@ class _Client:
     greeted: bool = False
     regions: dict[str, Region] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None  # the hello deadline, then each frame's
+    gone: asyncio.Future[None] | None = None  # while a call runs: resolves when the client ends
 
 
 class RegionServer:
@@ -63,7 +74,8 @@ class RegionServer:
 
     `max_clients` caps connections that said hello; `max_unauthenticated` those yet to, the
     oldest evicted when one more comes; `hello_timeout_s` is how long a connection has to say
-    hello, `frame_timeout_s` how long a frame may take once its first byte came."""
+    hello, `frame_timeout_s` how long a frame may take once its first byte came. `calls`, when
+    given, answers `prefill` frames (and hello says `"calls": true`)."""
 
     def __init__(
         self,
@@ -76,11 +88,16 @@ class RegionServer:
         hello_timeout_s: float = 5.0,
         frame_timeout_s: float = 5.0,
         max_unauthenticated: int = 16,
+        calls: Calls | None = None,
     ) -> None:
         self.path, self.registry, self.token, self.max_clients = path, registry, token, max_clients
         self.instance = instance  # /health names it too: a client checks it reached this server
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.max_unauthenticated = max_unauthenticated
+        self._calls = calls
+        self._running: set[asyncio.Task[None]] = (
+            set()
+        )  # calls in flight, one per connection at most
         self._listener: socket.socket | None = None
         self._clients: dict[int, _Client] = {}  # said hello
         self._waiting: dict[int, _Client] = {}  # yet to, oldest first
@@ -211,6 +228,9 @@ class RegionServer:
             return
         if client.greeted:
             self._stop_timer(client)
+            if message.get("op") == "prefill" and self._calls is not None and client.fd is None:
+                self._call(client, message, self._calls)
+                return
         try:
             reply = self._handle(client, message)
         except Exception:  # a bug here must cost this connection only, never the loop's reader
@@ -243,7 +263,12 @@ class RegionServer:
             if op == "unregister":
                 self.registry.unregister(str(message.get("region", "")), client.regions)
                 return {"ok": True}
-            raise InvalidInputError("op", "hello, register or unregister", f"{op!r:.40}")
+            ops = (
+                "hello, register, unregister or prefill"
+                if self._calls
+                else "hello, register or unregister"
+            )
+            raise InvalidInputError("op", ops, f"{op!r:.40}")
         except ZenMLAError as exc:
             return _refusal(status_of(exc), str(exc))
         finally:
@@ -267,7 +292,56 @@ class RegionServer:
             "max_regions": self.registry.max_regions,
             "max_bytes": self.registry.max_bytes,
             "instance": self.instance,
+            "calls": self._calls is not None,
         }
+
+    def _call(self, client: _Client, message: dict[str, Any], calls: Calls) -> None:
+        """Run a call: the connection is not read until its reply is sent, only watched for
+        its end."""
+        assert self._loop is not None
+        client.gone = self._loop.create_future()
+        self._loop.remove_reader(client.sock.fileno())
+        self._loop.add_reader(client.sock.fileno(), self._watch, client)
+        task = self._loop.create_task(self._answer(client, message, calls, client.gone))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _answer(
+        self,
+        client: _Client,
+        message: dict[str, Any],
+        calls: Calls,
+        gone: asyncio.Future[None],
+    ) -> None:
+        try:
+            reply = await calls(message, gone)
+        except Exception:  # the hook answers its errors; a bug costs this connection only
+            log.exception("region socket: client %d's call", client.id)
+            reply = _refusal(500, "the region socket failed on this call")
+        if client.id not in self._clients or client.gone is not gone:
+            return  # gone meanwhile: nobody to answer
+        client.gone = None
+        if not gone.done():
+            gone.cancel()
+        assert self._loop is not None
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(client.sock.fileno())
+        self._loop.add_reader(client.sock.fileno(), self._readable, client)
+        self._send(client, reply)
+
+    def _watch(self, client: _Client) -> None:
+        """While a call runs: whether the client ended (a peek, nothing read). A next frame
+        already sent stays unread, and the watch stops until the reply is sent."""
+        try:
+            ended = not client.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            ended = True
+        if ended:
+            self._drop(client)
+        elif self._loop is not None:
+            self._loop.remove_reader(client.sock.fileno())
 
     def _expire(self, client: _Client, why: str) -> None:
         client.timer = None
@@ -298,6 +372,8 @@ class RegionServer:
         if (self._clients.pop(client.id, None) or self._waiting.pop(client.id, None)) is None:
             return
         self._stop_timer(client)
+        if client.gone is not None and not client.gone.done():
+            client.gone.set_result(None)  # the call's work is abandoned as a hung-up HTTP one's
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(client.sock.fileno())

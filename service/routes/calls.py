@@ -1,0 +1,90 @@
+"""Prefill calls on the region socket, with no HTTP on their way: the `RegionServer`'s `calls`
+hook. A call is a regions-JSON `/prefill` (`routes.regions`) in a frame, and goes through what
+every compute route goes through (`exchange`: readiness, admission, the deadline, the hang-up
+rule, metrics under route "socket", the log line); the token was checked by the socket's hello.
+
+    {"op": "prefill", "body": "<the regions JSON request>"}
+    -> {"ok": true, "body": "<the regions JSON answer>", "queue_ms": .., "compute_ms": ..}
+    -> {"ok": false, "status": 4xx/5xx, "error": detail, <the problem body's fields>,
+        "retry_after": seconds (429, 503)}
+
+The error reply carries what a problem+json does (`problems.problem_body`: type, detail, tensor,
+expected, got, hint), so the client raises the class the service raised, through its one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import time
+from typing import Any
+
+from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
+from zen_mla.regions.server import Calls
+
+from ..exchange import Exchange, compute, handle, ready_engine
+from ..problems import problem_body
+from ..state import ServiceState
+from .regions import answer_body, resolve
+
+__all__ = ["ROUTE", "socket_calls"]
+
+ROUTE = "socket"  # the metrics' and the log line's name for these calls
+
+
+def socket_calls(state: ServiceState) -> Calls:
+    """The hook that answers the region socket's `prefill` frames for `state`."""
+    return functools.partial(_call, state)
+
+
+async def _call(
+    state: ServiceState, message: dict[str, Any], gone: asyncio.Future[None]
+) -> dict[str, Any]:
+    async def work(x: Exchange) -> dict[str, Any]:
+        engine = ready_engine(state)
+        assert state.regions is not None  # the socket runs only with its registry
+        body = message.get("body")
+        if not isinstance(body, str):
+            raise InvalidInputError(
+                "body", "the regions JSON request, as a string", type(body).__name__
+            )
+        raw = body.encode()  # at most the frame's cap: the socket's one reader read it
+        admission = state.admission
+        admission.check_queue()
+        x.ticket = admission.admit(len(raw))
+        x.ticket.charge(len(raw))
+        x.ticket.uploaded()
+        x.bytes_in = len(raw)
+        ingest_s = time.perf_counter() - x.t0
+        resolved = resolve(raw, state.regions, engine)
+        x.request_id = resolved.options.request_id
+        run = functools.partial(
+            engine.run, resolved.prepared, inputs=resolved.inputs, outputs=resolved.outputs
+        )
+        result, (queue_s, compute_s) = await compute(state, gone, resolved.prepared, run, x)
+        result.release()  # the client's memory: nothing goes back to a cache
+        reply = answer_body(resolved, result.kernels, x.request_id).decode()
+        x.status, x.bytes_out = 200, len(reply)
+        timing = {
+            "ingest_ms": round(ingest_s * 1e3, 3),
+            "queue_ms": round(queue_s * 1e3, 3),
+            "compute_ms": round(compute_s * 1e3, 3),
+        }
+        x.info |= timing
+        return {"ok": True, "body": reply, **timing}
+
+    def answer_error(exc: ZenMLAError, x: Exchange, _: dict[str, str] | None) -> dict[str, Any]:
+        return refusal(exc, x.request_id)
+
+    return await handle(state, ROUTE, work, answer_error, lambda: {"ok": False, "status": 499})
+
+
+def refusal(exc: ZenMLAError, request_id: str | None = None) -> dict[str, Any]:
+    """The error reply: the problem body's fields, flat, and the retry hint a header carries
+    on HTTP."""
+    problem = problem_body(exc, request_id)
+    reply: dict[str, Any] = {"ok": False, "error": problem["detail"], **problem}
+    if isinstance(exc, OverloadedError) and exc.retry_after is not None:
+        reply["retry_after"] = max(1, math.ceil(exc.retry_after))
+    return reply
