@@ -1,0 +1,244 @@
+"""Prefill calls on the region socket (no HTTP on their way) against real servers: results equal
+the fp64 reference through both clients, every error class arrives as the class it left as,
+and the socket's rules hold for calls (hang-up, frame deadline, one call per connection)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import zen_mla
+from tests.batches import BATCH_SPECS, make_batch
+from tests.reference import assert_close_to_reference
+from tests.service.region_clients import lay_out, region_socket
+from tests.service.servers import Server, serve, server_fixture, wait_ready
+from zen_mla.client import AsyncPrefillClient, PrefillClient
+from zen_mla.regions.client import ClientRegion, RegionClient, RegionSet
+from zen_mla.regions.protocol import recv_frame, send_frame
+from zen_mla.wire import regions_json as rr
+
+pytestmark = pytest.mark.slow
+SPECS = ("ragged", "prefix_cached", "context_chunk", "more_queries_than_keys")
+
+
+def socket_calls(server: Server, status: int = 200) -> int:
+    """How many calls the server answered on the region socket with `status` (its metrics)."""
+    with server.client() as c:
+        text = c.get("/metrics").text
+    line = f'zen_mla_requests_total{{route="socket",status="{status}"}} '
+    return sum(int(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+
+
+def long_batch(tokens: int = 12288) -> tuple[torch.Tensor, ...]:
+    """One causal request that takes a worker seconds here."""
+    q, k, v = (torch.randn(tokens, 16, d, dtype=torch.bfloat16) for d in (192, 192, 128))
+    return q, k, v, torch.tensor([0, tokens])
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+def test_sync_calls_equal_the_reference(server, return_lse):
+    before = socket_calls(server)
+    with PrefillClient(server.url, shared_memory=True) as client:
+        regions = client.regions(0)
+        assert regions is not None and regions.client.calls  # the hello offers calls
+        for name in SPECS:
+            q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS[name], (3, 192, 128), torch.bfloat16)
+            causal = BATCH_SPECS[name].kv_lens is None
+            got = client.prefill(q, k, v, q_cu, kv_cu, causal=causal, return_lse=return_lse)
+            out, lse = got if return_lse else (got, None)
+            assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, out, lse)
+    assert socket_calls(server) - before == len(SPECS)  # every one went over the socket
+
+
+def test_async_calls_equal_the_reference(server):
+    before = socket_calls(server)
+
+    async def main():
+        got = []
+        async with AsyncPrefillClient(server.url) as client:  # shared_memory=None: automatic
+            for name in SPECS:
+                q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS[name], (2, 192, 128), torch.float32)
+                got.append((q, k, v, q_cu, kv_cu, await client.prefill(
+                    q, k, v, q_cu, kv_cu, causal=False, return_lse=True
+                )))  # fmt: skip
+        return got
+
+    for q, k, v, q_cu, kv_cu, (out, lse) in asyncio.run(main()):
+        assert_close_to_reference(q, k, v, q_cu, kv_cu, False, out, lse)
+    assert socket_calls(server) - before == len(SPECS)
+
+
+def test_a_422_names_the_tensor_with_its_hint(tmp_path):
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["equal_runs"], (2, 64, 64), torch.float32)
+    with (
+        serve(tmp_path, workers=1, max_seqs=4) as s,
+        PrefillClient(s.url, shared_memory=True) as client,
+    ):
+        with pytest.raises(zen_mla.InvalidInputError) as caught:
+            client.prefill(q, k, v, q_cu)
+        assert caught.value.name == "q_cu_seq_lens" and "4 sequences" in caught.value.expected
+        assert caught.value.hint == "Split the batch into smaller requests"
+        assert socket_calls(s, 422) == 1
+        small = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
+        assert_close_to_reference(*small, True, client.prefill(*small))  # the socket lives on
+
+
+@server_fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One worker, one queue place, a 1.5 s deadline."""
+    with serve(tmp_path_factory.mktemp("tight"), workers=1, max_queue=1, deadline_s=1.5) as s:
+        yield s
+
+
+def _in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def queue_depth(server: Server) -> int:
+    with server.client() as c:
+        text = c.get("/metrics").text
+    return int(next(x for x in text.splitlines() if x.startswith("zen_mla_queue_depth "))[20:])
+
+
+def _long_call(server: Server, tokens: int = 12288) -> threading.Thread:
+    """A long request from another client, queued or running when this returns."""
+
+    def run() -> None:
+        # its deadline may cut it
+        with PrefillClient(server.url, retries=0) as c, contextlib.suppress(zen_mla.ZenMLAError):
+            c.prefill(*long_batch(tokens))
+
+    t = _in_thread(run)
+    deadline = time.monotonic() + 20
+    while queue_depth(server) < 1:
+        assert time.monotonic() < deadline, "the long request never queued"
+        time.sleep(0.02)
+    return t
+
+
+def test_429_with_retry_after_and_504_past_the_deadline(tight):
+    small = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
+    with PrefillClient(tight.url, shared_memory=True, retries=0) as client:
+        client.prefill(*small)  # connected and greeted before the queue fills
+        busy = _long_call(tight)
+        with pytest.raises(zen_mla.QueueFullError) as full:
+            client.prefill(*small)
+        assert full.value.retry_after == 1
+        busy.join(30)
+        with pytest.raises(zen_mla.DeadlineExceededError, match="deadline"):
+            client.prefill(*long_batch())
+        wait_ready(tight)
+        assert_close_to_reference(*small, True, client.prefill(*small))
+    # the other client's long call went over its own socket, and was cut at the deadline too
+    assert socket_calls(tight, 429) == 1 and socket_calls(tight, 504) == 2
+
+
+def test_a_retried_429_is_answered_once_there_is_room(tight):
+    small = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
+    with PrefillClient(tight.url, shared_memory=True, retries=5, timeout=30) as client:
+        client.prefill(*small)
+        before = socket_calls(tight, 429)
+        busy = _long_call(tight, 4096)  # done within the deadline, well before ours
+        assert_close_to_reference(*small, True, client.prefill(*small))
+        busy.join(30)
+    assert socket_calls(tight, 429) > before  # refused first, retried after Retry-After
+
+
+def test_503_while_draining(tmp_path):
+    small = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
+    with (
+        serve(tmp_path, workers=1, deadline_s=3) as s,
+        PrefillClient(s.url, shared_memory=True, retries=0) as client,
+    ):
+        client.prefill(*small)
+        busy = _long_call(s)  # holds the drain open while it runs
+        s.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(zen_mla.ServiceUnavailableError, match="draining") as caught:
+            client.prefill(*small)
+        assert caught.value.retry_after == 5
+        busy.join(30)
+
+
+# -- the socket's rules, for calls ---------------------------------------------------------------
+
+
+def _call_frame(places: dict, meta: dict | None = None) -> dict:
+    return {"op": "prefill", "body": rr.encode(places, meta).decode()}
+
+
+def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
+    """Its socket closes while the call runs: the started work runs on holding its queue place
+    (until it ends or its deadline stops it), the call is a 499, the service answers others."""
+    wait_ready(tight)
+    before = socket_calls(tight, 499)
+    client = RegionClient(region_socket(tight), None)
+    q, k, v, cu = long_batch()
+    with RegionSet(client).request({"q": q, "k": k, "v": v, "q_cu_seq_lens": cu}, False) as at:
+        send_frame(client._sock, _call_frame(at.places))
+        deadline = time.monotonic() + 10
+        while queue_depth(tight) < 1:
+            assert time.monotonic() < deadline, "the call never queued"
+            time.sleep(0.02)
+        time.sleep(0.2)  # started
+        client.close()
+    time.sleep(0.2)
+    assert queue_depth(tight) == 1  # the started work holds its place
+    deadline = time.monotonic() + 30
+    while socket_calls(tight, 499) - before < 1 or queue_depth(tight):
+        assert time.monotonic() < deadline, "the hang-up was not counted, or its place not freed"
+        time.sleep(0.1)
+    wait_ready(tight)
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
+    with PrefillClient(tight.url, shared_memory=True) as c:
+        assert_close_to_reference(q, k, v, q_cu, None, True, c.prefill(q, k, v, q_cu))
+
+
+def test_a_second_frame_waits_for_the_first_calls_reply(server):
+    """One call per connection: a hello sent right behind a long call is answered after it
+    (read at once, it would have been answered first)."""
+    client = RegionClient(region_socket(server), None)
+    try:
+        region = ClientRegion(client, 64 << 20)
+        places, (q, k, v, cu, out) = lay_out(region, 2048, lse=False)
+        send_frame(client._sock, _call_frame(places, {"request_id": "first"}))
+        send_frame(client._sock, {"op": "hello", "token": ""})
+        first = recv_frame(client._sock, time.monotonic() + 60)
+        second = recv_frame(client._sock, time.monotonic() + 60)
+        assert first["ok"] and json.loads(first["body"])["__metadata__"]["request_id"] == "first"
+        assert "max_regions" in second and second["calls"] is True
+        assert_close_to_reference(q, k, v, cu, None, True, out)
+    finally:
+        client.close()
+
+
+def test_a_half_sent_call_frame_is_cut_at_the_frame_deadline(tmp_path):
+    with serve(tmp_path, workers=1, header_timeout_s=1) as s:
+        client = RegionClient(region_socket(s), None)
+        try:
+            sock = client._sock
+            frame = json.dumps(_call_frame({})).encode()
+            sock.sendall(struct.pack(">I", len(frame)) + frame[:10])
+            t0 = time.monotonic()
+            refusal = recv_frame(sock, t0 + 10)
+            assert refusal["status"] == 408 and "not whole" in refusal["error"]
+            assert time.monotonic() - t0 < 3
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # and the connection ends
+        finally:
+            client.close()
+        with socket.socket(socket.AF_UNIX) as other:  # the socket still takes others
+            other.connect(region_socket(s))
+        assert s.health()["status"] == "ok"
