@@ -10,8 +10,9 @@ Parts, each measured on its own, in this process unless it says otherwise:
   shared memory: kernel + the pool hop (task to a worker process and back);
 - http floor: `GET /health/live` through httpx on loopback (HTTP and routing, no body);
 - tcp: `PrefillClient(shared_memory=False)`, the tensors in a safetensors body;
-- regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy);
-  its answer's Server-Timing phases (ingest, queue, compute) are given too.
+- regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy), the
+  regions JSON over HTTP (POST /prefill) and as a call on the region socket (no HTTP), which
+  the client takes whenever the service offers it.
 Starts one `zen-mla serve --workers 1` on a free loopback port and stops it.
 """
 
@@ -118,11 +119,16 @@ def main() -> None:
                 put("tcp (PrefillClient)", n, median_ms(lambda t=t: client.prefill(**t), args.reps))
             with PrefillClient(url, shared_memory=True) as client:
                 t = tensors(n, make=lambda shape, dtype: client.empty(shape, dtype).normal_())
-                put(
-                    "regions (PrefillClient, empty())",
-                    n,
-                    median_ms(lambda t=t: client.prefill(**t), args.reps),
-                )
+                regions = client.regions(0)
+                assert regions is not None and regions.client.calls
+                for part, calls in (("regions over HTTP", False), ("regions call (no HTTP)", True)):
+                    # the client takes the call path whenever offered: undone here to compare
+                    regions.client.hello["calls"] = calls
+                    put(
+                        f"{part} (PrefillClient, empty())",
+                        n,
+                        median_ms(lambda t=t: client.prefill(**t), args.reps),
+                    )
     finally:
         proc.terminate()
         proc.wait(30)
