@@ -81,10 +81,17 @@ class Server:
 
 @contextlib.contextmanager
 def serve(
-    tmp: Path, *, uds: bool = False, nofile: tuple[int, int] | None = None, **settings: object
+    tmp: Path,
+    *,
+    uds: bool = False,
+    nofile: tuple[int, int] | None = None,
+    port: int | None = None,
+    log: Path | None = None,
+    **settings: object,
 ) -> Iterator[Server]:
     """`zen-mla serve` with `settings` as ZEN_MLA_* variables; `nofile`: its (soft, hard)
-    RLIMIT_NOFILE."""
+    RLIMIT_NOFILE; `port`: a port of the caller's (default: a free one); `log`: the file its
+    output is appended to (default tmp/server.log)."""
     check_slow()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
@@ -94,11 +101,11 @@ def serve(
         args += ["--uds", path]
         url = "http://zen-mla"
     else:
-        port = free_port()
+        port = port or free_port()
         args += ["--port", str(port)]
         url, path = f"http://127.0.0.1:{port}", None
-    log = tmp / "server.log"
-    with log.open("wb") as out:
+    log = log or tmp / "server.log"
+    with log.open("ab") as out:
         limit = (
             None
             if nofile is None

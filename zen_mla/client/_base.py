@@ -281,7 +281,10 @@ class Call:
         frame = {"op": "prefill", "body": body}
         if len(encode_frame(frame)) > MAX_MESSAGE:  # the service would end the connection
             return None
-        reply = client.try_call(frame, self.deadline.remaining())
+        try:
+            reply = client.try_call(frame, self.deadline.remaining())
+        except SharedMemoryUnavailableError as exc:  # the socket broke: the service is gone
+            raise ServiceUnavailableError(f"the service's region socket closed: {exc}") from exc
         if reply is None:
             return None
         return called(reply, layout, self.outputs, self.device)
