@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from safetensors.torch import save
@@ -90,16 +90,13 @@ def _read_request(conn: socket.socket) -> Request:
     return Request(method, path, headers, body)
 
 
-class FakeServer:
-    """Answers each request (one per connection) with `answer(request, conn, stop)`, which
-    writes whatever bytes it likes; `requests` lists what came."""
+class _Listener:
+    """A listening socket served by a thread: each connection is handled by `_handle` in a
+    thread of its own until `close()`."""
 
-    def __init__(self, answer: Callable[[Request, socket.socket, threading.Event], None]) -> None:
-        self._answer = answer
-        self._listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, listener: socket.socket) -> None:
+        self._listener = listener
         self._listener.settimeout(0.05)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self.requests: list[Request] = []
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -115,6 +112,32 @@ class FakeServer:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self._listener.close()
+        self._thread.join(5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FakeServer(_Listener):
+    """Answers each request (one per connection) with `answer(request, conn, stop)`, which
+    writes whatever bytes it likes; `requests` lists what came."""
+
+    def __init__(self, answer: Callable[[Request, socket.socket, threading.Event], None]) -> None:
+        self._answer = answer
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        self.requests: list[Request] = []
+        super().__init__(listener)
+
+    def _handle(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             conn.settimeout(30)
             request = _read_request(conn)
@@ -125,24 +148,13 @@ class FakeServer:
             while not self.stop.is_set() and conn.recv(65536):
                 pass
 
-    def close(self) -> None:
-        self.stop.set()
-        self._listener.close()
-        self._thread.join(5)
-
-    def __enter__(self) -> FakeServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def frame(message: Any) -> bytes:
     data = json.dumps(message).encode()
     return struct.pack(">I", len(data)) + data
 
 
-class FakeRegionSocket:
+class FakeRegionSocket(_Listener):
     """A region socket on a Unix path: each message (descriptors taken and closed) is answered
     by `reply(message, conn, stop)`, which writes whatever bytes it likes."""
 
@@ -152,23 +164,10 @@ class FakeRegionSocket:
         self._reply = reply
         self._dir = tempfile.TemporaryDirectory()
         self.path = os.path.join(self._dir.name, "regions.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen()
-        self._listener.settimeout(0.05)
-        self.stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen()
+        super().__init__(listener)
 
     def _handle(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError, ValueError):
@@ -190,16 +189,8 @@ class FakeRegionSocket:
                     self._reply(message, conn, self.stop)
 
     def close(self) -> None:
-        self.stop.set()
-        self._listener.close()
-        self._thread.join(5)
+        super().close()
         self._dir.cleanup()
-
-    def __enter__(self) -> FakeRegionSocket:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @contextlib.contextmanager
