@@ -55,6 +55,16 @@ class Admission:
         self.reading[ticket] = None
         return ticket
 
+    def admit_read(self, nbytes: int) -> Ticket:
+        """A request whose body is in already (a region-socket frame, read by the socket's one
+        frame reader): no upload slot to hold, a queue check and its bytes charged now, or
+        QueueFullError (429)."""
+        self.check_queue()
+        ticket = Ticket(self, nbytes)
+        self.charge(ticket, nbytes)
+        self.inflight += 1
+        return ticket
+
     def _displace_slowest(self) -> bool:
         """Cut off the slowest upload, if one has averaged under twice the minimum rate (at
         least 1 MB/s), for a new one."""

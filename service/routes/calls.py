@@ -50,11 +50,7 @@ async def _call(
                 "body", "the regions JSON request, as a string", type(body).__name__
             )
         raw = body.encode()  # at most the frame's cap: the socket's one reader read it
-        admission = state.admission
-        admission.check_queue()
-        x.ticket = admission.admit(len(raw))
-        x.ticket.charge(len(raw))
-        x.ticket.uploaded()
+        x.ticket = state.admission.admit_read(len(raw))
         x.bytes_in = len(raw)
         ingest_s = time.perf_counter() - x.t0
         resolved = resolve(raw, state.regions, engine)
