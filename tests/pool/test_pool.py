@@ -35,7 +35,9 @@ def _cpus_allowed(pid: int) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(PoolConfig(workers=2 if len(CPUS) >= 2 else 1, ping_interval=0.2)) as p:
+    # min_piece_cost=1: the small test batches are split as a large one would be
+    config = PoolConfig(workers=2 if len(CPUS) >= 2 else 1, ping_interval=0.2, min_piece_cost=1)
+    with WorkerPool(config) as p:
         yield p
 
 
@@ -264,3 +266,22 @@ def test_query_blocks_cover_every_row_once():
                 covered[piece.q_lo : piece.q_hi, piece.h0 : piece.h1] += 1
             # rows of requests that see keys are covered once; request 1 has no queries
             assert covered.max() == 1 and covered.sum() == 1100 * 2
+
+
+def test_a_small_call_is_not_split():
+    """Below the smallest piece worth a hop a call runs whole on one worker; with one worker
+    nothing is split (its pieces would run one after another, each a kernel call)."""
+    from zen_mla.pool._schedule import schedule
+
+    one_token = schedule((0, 1), (0, 1), 16, True, 2, PoolConfig().min_piece_cost)
+    assert sorted(len(mine) for mine in one_token) == [0, 1]
+    small_batch = schedule((0, 8, 16, 24), (0, 8, 16, 24), 16, True, 2, 1 << 17)
+    assert sorted(len(mine) for mine in small_batch) == [0, 1]
+    assert [(p.r0, p.r1, p.h0, p.h1) for p in max(small_batch, key=len)] == [(0, 3, 0, 16)]
+    long_request = schedule((0, 4096), (0, 4096), 16, True, 1, 1)
+    assert [(p.h0, p.h1, p.q_lo, p.q_hi) for p in long_request[0]] == [(0, 16, 0, 4096)]
+    # the same request over two workers is split, into pieces of at least the minimum
+    split = schedule((0, 4096), (0, 4096), 16, True, 2, 1 << 17)
+    pieces = [p for mine in split for p in mine]
+    assert all(mine for mine in split) and len(pieces) >= 2
+    assert min(p.cost for p in pieces) >= 1 << 17

@@ -34,7 +34,8 @@ ATOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(PoolConfig(workers=min(2, len(CPUS)), ping_interval=0.2)) as p:
+    config = PoolConfig(workers=min(2, len(CPUS)), ping_interval=0.2, min_piece_cost=1)
+    with WorkerPool(config) as p:
         yield p
 
 

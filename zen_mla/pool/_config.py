@@ -17,6 +17,12 @@ class PoolConfig:
     Workers send a heartbeat every `ping_interval`; one silent for `ping_timeout` is "stuck":
     reported not alive while busy (its work is left to finish or be abandoned), replaced while
     idle.
+
+    `min_piece_cost` (heads x visible query-key pairs): work is split over workers only into
+    pieces of at least this much. Below it a second kernel call and a second worker's hop cost
+    more than the compute they share (a kernel call costs about 0.07 ms before any work, and
+    2^17 head-pairs of MLA work take about 0.7 ms on one Zen 5 core), so a small call runs
+    whole on one worker. With one worker nothing is split.
     """
 
     workers: int | None = None
@@ -25,4 +31,5 @@ class PoolConfig:
     ping_timeout: float = 10.0
     start_timeout: float = 180.0
     cache_bytes: int = 1 << 30
+    min_piece_cost: int = 1 << 17
     sysfs: Path = SYSFS

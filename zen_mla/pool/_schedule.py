@@ -1,7 +1,7 @@
 """Splitting a ragged batch into pieces of similar cost and spreading them over the workers.
 
 Cost of a request is its visible (query, key) pairs times its heads. A request costing more than
-half a worker's fair share is split by heads, and where there are fewer heads than pieces it
+half a worker's fair share (and more than the smallest piece worth a hop) is split by heads, and where there are fewer heads than pieces it
 needs (16 heads over 12 CCXs, or 8 heads per TP rank), by blocks of queries of equal cost too,
 so one long request keeps every CCX busy; runs of cheap requests are packed together whole, up
 to one share (the kernel batches equal lengths), and pieces go longest-first to the
@@ -99,11 +99,18 @@ def _block_piece(
 
 
 def schedule(
-    q_cu: tuple[int, ...], kv_cu: tuple[int, ...], heads: int, causal: bool, workers: int
+    q_cu: tuple[int, ...],
+    kv_cu: tuple[int, ...],
+    heads: int,
+    causal: bool,
+    workers: int,
+    min_piece_cost: int = 1,
 ) -> list[list[Piece]]:
     """Pieces per worker (some lists may be empty), covering every (request, head) that has
     queries once; requests whose queries see no key cost nothing and ride in a pack, where the
-    worker writes their out = 0, lse = -inf like any other blind rows."""
+    worker writes their out = 0, lse = -inf like any other blind rows. No piece is made smaller
+    than `min_piece_cost` by splitting (a batch costing less runs whole on one worker), and with
+    one worker nothing is split: its pieces would run one after another anyway."""
     b = len(q_cu) - 1
     costs = [
         heads * visible_pairs(q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r], causal)
@@ -111,8 +118,9 @@ def schedule(
     ]
     total = sum(costs)
     plan: list[list[Piece]] = [[] for _ in range(workers)]
-    share = max(total / workers, 1)  # a worker's fair share
-    grain = share / 2  # requests above it are split by heads
+    share = max(total / workers, min_piece_cost, 1)  # a worker's fair share
+    # requests above the grain are split by heads (and query blocks)
+    grain = max(share / 2, min_piece_cost) if workers > 1 else math.inf
     pieces: list[Piece] = []
     r = 0
     while r < b:

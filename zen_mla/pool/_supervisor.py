@@ -220,7 +220,12 @@ class WorkerPool:
             lse=tensor_ref(out_buf, lse) if lse is not None else None,
         )
         plan = schedule(
-            batch.q_cu_seq_lens, batch.kv_cu_seq_lens, h, batch.causal, len(self._dispatchers)
+            batch.q_cu_seq_lens,
+            batch.kv_cu_seq_lens,
+            h,
+            batch.causal,
+            len(self._dispatchers),
+            self.config.min_piece_cost,
         )
         tasks = [
             Task(
