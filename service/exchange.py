@@ -248,13 +248,15 @@ async def compute(
     state: ServiceState,
     gone: Awaitable[None],
     prepared: PrefillRequest,
-    run: Callable[[], PrefillJob],
+    run: Callable[..., PrefillJob],
     x: Exchange,
 ) -> tuple[PrefillResult, tuple[float, float]]:
-    """Queue the prepared request and wait for it within the deadline, watching the client
-    (`gone` completes when it hangs up: `disconnected(request)` for HTTP, the region socket's
-    own for a socket call; it is cancelled once the work is done); the result, and its
-    (queue, compute) seconds."""
+    """Queue the prepared request (`run(loop=)`: `PrefillEngine.run` with its request bound)
+    and wait for it within the deadline, watching the client (`gone` completes when it hangs
+    up: `disconnected(request)` for HTTP, the region socket's own for a socket call; it is
+    cancelled once the work is done); the result, and its (queue, compute) seconds. A small
+    request is run from this thread (`loop=`): one small enough for one worker goes straight
+    to an idle one, with no thread between."""
     s = state.settings
     x.info = {"tq": prepared.num_q_tokens, "tk": prepared.num_kv_tokens, "b": prepared.num_requests}
     assert x.ticket is not None
@@ -264,7 +266,7 @@ async def compute(
     if out_bytes > SMALL_BYTES:
         job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
     else:
-        job = run()
+        job = run(loop=asyncio.get_running_loop())
     waiting = asyncio.ensure_future(job.wait(x.remaining(s.deadline_s)))
     watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
     watch: set[asyncio.Future[Any]] = {waiting, watcher}

@@ -38,6 +38,10 @@ PRIVATE_PIPE = {
         "a worker's dispatcher reads its answers and heartbeats (WorkerProcess.recv)",
         {"proc.recv()", "msg: ToSupervisor = proc.recv()"},
     ),
+    "zen_mla/pool/_direct.py": (
+        "an event loop running a task on a lent worker reads its answer (WorkerProcess.recv)",
+        {"msg: ToSupervisor = self._proc.recv()"},
+    ),
 }
 
 

@@ -237,12 +237,15 @@ class PrefillEngine:
         *,
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
         outputs: Outputs | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> PrefillJob:
         """Queue a prepared request on the workers. q, k and v lying in `inputs` (buffers of
         this engine: `buffer()`, `adopt()`) are read in place; `outputs` (a buffer, and `out`
         and `lse` views of it) says where results are written, else a buffer of the engine's.
-        PoolClosedError once closed; ServiceUnavailableError (try again) when shared memory
-        cannot be had."""
+        `loop`: the running event loop, when called from its thread: a request small enough
+        for one worker then goes to an idle one from this thread and its answer is read here,
+        with no thread between (see `zen_mla.pool`). PoolClosedError once closed;
+        ServiceUnavailableError (try again) when shared memory cannot be had."""
         kernels = request.kernels
         job = self._pool.submit_batch(
             request.batch,
@@ -250,5 +253,6 @@ class PrefillEngine:
             return_lse=kernels.lse is not None,
             inputs=inputs,
             outputs=outputs,
+            loop=loop,
         )
         return PrefillJob(request, job)

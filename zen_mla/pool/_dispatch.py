@@ -4,6 +4,11 @@ The dispatcher thread sends the worker one task at a time and waits for its answ
 its silence (workers send a heartbeat from a thread of their own); between tasks it reads the
 heartbeats. It replaces a worker that dies, retrying with backoff until a replacement starts, and
 hands the work that was lost with it back to the pool through a callback.
+
+An idle worker with nothing queued may instead be lent (`lend()`) to an event loop that runs one
+task on it directly (`_direct.DirectRun`): the loop sends the task and reads the answer itself,
+and the dispatcher thread keeps off the pipe until it is given back (`give_back()`), replacing
+the worker then if it died meanwhile.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class Dispatcher:
     `lost(task, self)` is called with a task the worker died under (or could not be given
     because the pool closed); `stranded(self)` when the worker is being replaced, to move the
     tasks still queued on it (`queue.take_all()`) elsewhere.
+
+    While `lent`, the borrower alone reads and writes the pipe and `heard_at`; `lost_why` says
+    the worker died under it, for the dispatcher thread to replace it.
     """
 
     def __init__(
@@ -66,6 +74,9 @@ class Dispatcher:
         self.heard_at = 0.0  # time.monotonic() of the process's last message
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.lent = False
+        self.lost_why: str | None = None
+        self._given_back = threading.Condition(self.lock)
 
     @property
     def ready(self) -> bool:
@@ -117,6 +128,29 @@ class Dispatcher:
             task, proc = self.current, self.proc
             if task is not None and task.job is job and proc is not None:
                 proc.kill()  # the thread sees the death and replaces the worker
+
+    def lend(self, task: Task) -> WorkerProcess | None:
+        """The process, busy with `task` from now on, for a borrower that sends the task and
+        reads the answer itself (`send()`, `answer()`); None unless the worker is idle with
+        nothing queued. The borrower must `give_back()`."""
+        with self.lock:
+            free = self.state == "idle" and not self.lent and self.lost_why is None
+            if not free or self.proc is None or self._closed.is_set() or self.queue.qsize():
+                return None
+            self.lent, self.current, self.state = True, task, "busy"
+            return self.proc
+
+    def give_back(self, died: str | None = None) -> None:
+        """End a loan; `died`: why the process is lost (the dispatcher thread replaces it)."""
+        with self.lock:
+            self.lent, self.current = False, None
+            if died is None:
+                self.state = "idle"
+            else:
+                self.lost_why = died
+            self._given_back.notify_all()
+        if died is not None:
+            self.queue.put(died)  # wakes the dispatcher thread to replace the worker
 
     def info(self) -> dict[str, Any]:
         """As `WorkerPool.workers()` describes."""
@@ -194,6 +228,10 @@ class Dispatcher:
             return True
         if task is None:
             return False
+        self._wait_given_back()
+        self._replace_if_lost()
+        if isinstance(task, str):
+            return True  # the wake-up of a worker that died while lent: replaced above
         if task.job.done():
             return True  # cancelled or failed while queued
         if self.proc is None and not self._closed.is_set():
@@ -210,21 +248,52 @@ class Dispatcher:
         outcome = self._run_on(self.proc, task)
         with self.lock:
             self.current = None
-        if isinstance(outcome, str):  # the process died under the task, or the pipe broke
-            self._lost(task, self)  # first, so that the work need not wait for the respawn
-            if not self._closed.is_set():
-                self._replace(outcome)
-        elif isinstance(outcome, SendFailedError):
-            task.job._fail(
-                ServiceUnavailableError(
-                    f"could not hand work to worker {self.slot.id}: {outcome}", retry_after=1.0
-                )
-            )
-        elif isinstance(outcome, Done):
-            task.job._piece_done()
-        else:
-            task.job._fail(self._raised(outcome))
+        self.settle(task, outcome)  # a lost task first, so that it need not wait for the respawn
+        if isinstance(outcome, str) and not self._closed.is_set():
+            self._replace(outcome)
         return True
+
+    def _wait_given_back(self) -> None:
+        """Wait while the worker is lent, marking it stuck should it fall silent meanwhile."""
+        with self.lock:
+            while self.lent and not self._closed.is_set():
+                self._given_back.wait(self._config.ping_interval)
+                if self.lent:
+                    self._check_silence(locked=True)
+
+    def _replace_if_lost(self) -> bool:
+        """Replace a process that died while lent; True if it did."""
+        with self.lock:
+            why, self.lost_why = self.lost_why, None
+        if why is None:
+            return False
+        if not self._closed.is_set():
+            self._replace(why)
+        return True
+
+    def _check_silence(self, locked: bool = False) -> None:
+        """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
+        slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
+        as not alive meanwhile."""
+        silent = time.monotonic() - self.heard_at
+        if self.state == "busy" and silent > self._config.ping_timeout:
+            log.warning(
+                "worker %d (pid %s) silent for %.1f s mid-task: stuck",
+                self.slot.id,
+                self.proc.pid if self.proc else None,
+                silent,
+            )
+            if locked:
+                self.state = "stuck"
+            else:
+                self._set("stuck")
+
+    def heard(self) -> None:
+        """A message came from the worker: it is alive (and no longer stuck)."""
+        self.heard_at = time.monotonic()
+        if self.state == "stuck":
+            log.warning("worker %d is answering again", self.slot.id)
+            self._set("busy")
 
     def _raised(self, failed: Failed) -> ZenMLAError:
         """The worker's exception as the class it was raised as, where it is one of ours;
@@ -237,7 +306,13 @@ class Dispatcher:
     def _check_idle(self) -> None:
         """Read the heartbeats of an idle worker; replace it if it died or fell silent (it holds
         no work, so nothing is lost)."""
-        proc = self.proc
+        with self.lock:
+            proc, lent = self.proc, self.lent
+        if lent:  # the borrower reads the pipe
+            self._check_silence()
+            return
+        if self._replace_if_lost():
+            return
         if proc is None:
             self._respawn()  # a replacement an error of ours interrupted
             return
@@ -256,6 +331,29 @@ class Dispatcher:
     def _run_on(self, proc: WorkerProcess, task: Task) -> Done | Failed | SendFailedError | str:
         """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
         process is lost."""
+        sent = self.send(proc, task)
+        if sent is not None:
+            return sent
+        self._set("busy")
+        while True:
+            ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
+            if proc.conn in ready:
+                try:
+                    msg: ToSupervisor = proc.recv()
+                except (EOFError, OSError):
+                    return "died"
+                answer = self.answer(task, msg)
+                if answer is not None:
+                    self._set("idle")
+                    return answer
+            elif proc.sentinel in ready:
+                return f"died (exit code {proc.exitcode})"
+            else:
+                self._check_silence()
+
+    def send(self, proc: WorkerProcess, task: Task) -> SendFailedError | str | None:
+        """Send `task` to `proc` (the dispatcher thread's, or a borrower's): None once sent,
+        SendFailedError if nothing went out, or why the process is lost."""
         if task.job.started_at is None:
             task.job.started_at = time.perf_counter()
         forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
@@ -272,33 +370,28 @@ class Dispatcher:
         except WorkerGoneError as exc:
             return f"lost its pipe ({exc})"
         self._mappings.sent(self.slot.id, forget, [b.id for b in fresh])
-        self._set("busy")
-        ping_timeout = self._config.ping_timeout
-        while True:
-            ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
-            if proc.conn in ready:
-                try:
-                    msg: ToSupervisor = proc.recv()
-                except (EOFError, OSError):
-                    return "died"
-                self.heard_at = time.monotonic()
-                if self.state == "stuck":
-                    log.warning("worker %d (pid %s) is answering again", self.slot.id, proc.pid)
-                    self._set("busy")
-                if isinstance(msg, Done | Failed) and msg.task_id == task.id:
-                    self._set("idle")
-                    if isinstance(msg, Failed):  # the worker unmapped the task's buffers
-                        self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
-                    return msg
-            elif proc.sentinel in ready:
-                return f"died (exit code {proc.exitcode})"
-            elif self.state != "stuck" and time.monotonic() - self.heard_at > ping_timeout:
-                # Not killed: a slow task is the caller's to abandon (its deadline); a stopped
-                # one may resume. Reported as not alive meanwhile.
-                log.warning(
-                    "worker %d (pid %s) silent for %.1f s mid-task: stuck",
-                    self.slot.id,
-                    proc.pid,
-                    time.monotonic() - self.heard_at,
+        return None
+
+    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | None:
+        """A message from the worker busy with `task`: its answer, or None (a heartbeat)."""
+        self.heard()
+        if isinstance(msg, Done | Failed) and msg.task_id == task.id:
+            if isinstance(msg, Failed):  # the worker unmapped the task's buffers
+                self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
+            return msg
+        return None
+
+    def settle(self, task: Task, outcome: Done | Failed | SendFailedError | str) -> None:
+        """Hand `outcome` of `task` to its job: done, failed, or lost with the process."""
+        if isinstance(outcome, str):  # the process died under the task, or the pipe broke
+            self._lost(task, self)
+        elif isinstance(outcome, SendFailedError):
+            task.job._fail(
+                ServiceUnavailableError(
+                    f"could not hand work to worker {self.slot.id}: {outcome}", retry_after=1.0
                 )
-                self._set("stuck")
+            )
+        elif isinstance(outcome, Done):
+            task.job._piece_done()
+        else:
+            task.job._fail(self._raised(outcome))

@@ -121,21 +121,22 @@ class Task:
     attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
 
 
-class TaskQueue(queue.Queue[Task | None]):
-    """Tasks waiting for one worker (None: stop dispatching); `cost` is theirs summed, kept
-    under the queue's own `mutex` as tasks come and go."""
+class TaskQueue(queue.Queue[Task | str | None]):
+    """Tasks waiting for one worker (None: stop dispatching; a string: why the worker died while
+    lent, a wake-up to replace it); `cost` is theirs summed, kept under the queue's own `mutex`
+    as tasks come and go."""
 
     def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
         self.cost = 0
 
-    def _put(self, item: Task | None) -> None:
+    def _put(self, item: Task | str | None) -> None:
         super()._put(item)
-        self.cost += item.cost if item is not None else 0
+        self.cost += item.cost if isinstance(item, Task) else 0
 
-    def _get(self) -> Task | None:
+    def _get(self) -> Task | str | None:
         item = super()._get()
-        self.cost -= item.cost if item is not None else 0
+        self.cost -= item.cost if isinstance(item, Task) else 0
         return item
 
     @property
@@ -152,5 +153,6 @@ class TaskQueue(queue.Queue[Task | None]):
                 if task is None:
                     self.put(None)  # close() asked this dispatcher to stop
                     break
-                moved.append(task)
+                if isinstance(task, Task):
+                    moved.append(task)
         return moved

@@ -36,6 +36,9 @@ __all__ = ["SendFailedError", "WorkerGoneError", "WorkerProcess", "start_until_r
 log = logging.getLogger("zen_mla.pool")
 _spawn = mp.get_context("spawn")
 _env_lock = threading.Lock()
+#: what a worker's environment sets (its thread counts) and leaves to OpenMP's default
+_THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_WORKER_ENV = (*_THREAD_COUNTS, "OMP_WAIT_POLICY")
 #: seconds between attempts to start a worker: the first, and the cap it doubles to
 START_BACKOFF = (0.1, 5.0)
 #: errors of a send that say the other end is gone, not that this process lacked a resource
@@ -67,9 +70,15 @@ class WorkerProcess:
             # loads, before `_worker.main` could set it. So the child starts with the thread
             # counts in its environment. (The entry point's own import chain loads no torch:
             # tests/pool/test_pool_imports.py.) _env_lock: os.environ is one per process.
+            # A worker owns its cores: its OpenMP threads wait for the next call spinning a
+            # while before they sleep (OpenMP's default), whatever wait policy the parent
+            # chose for itself. A parent that set OMP_WAIT_POLICY=PASSIVE so as not to spin on
+            # the server's cores (a benchmark, an orchestrator) made every small call wake
+            # the worker's threads from sleep: 0.1-0.2 ms more a call here.
             with _env_lock:
-                saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-                os.environ.update({v: str(slot.threads) for v in saved})
+                saved = {v: os.environ.get(v) for v in _WORKER_ENV}
+                os.environ.update({v: str(slot.threads) for v in _THREAD_COUNTS})
+                os.environ.pop("OMP_WAIT_POLICY", None)
                 try:
                     self.process = _spawn.Process(
                         target=_worker.main,

@@ -1,11 +1,11 @@
 """Splitting a ragged batch into pieces of similar cost and spreading them over the workers.
 
 Cost of a request is its visible (query, key) pairs times its heads. A request costing more than
-half a worker's fair share (and more than the smallest piece worth a hop) is split by heads, and where there are fewer heads than pieces it
-needs (16 heads over 12 CCXs, or 8 heads per TP rank), by blocks of queries of equal cost too,
-so one long request keeps every CCX busy; runs of cheap requests are packed together whole, up
-to one share (the kernel batches equal lengths), and pieces go longest-first to the
-least-loaded worker (LPT: within 4/3 of the best makespan).
+half a worker's fair share (and more than the smallest piece worth a hop) is split by heads, and
+where there are fewer heads than pieces it needs (16 heads over 12 CCXs, or 8 heads per TP rank),
+by blocks of queries of equal cost too, so one long request keeps every CCX busy; runs of cheap
+requests are packed together whole, up to one share (the kernel batches equal lengths), and
+pieces go longest-first to the least-loaded worker (LPT: within 4/3 of the best makespan).
 
 A block of queries `[a, b)` of a causal request is itself a bottom-right causal request: it sees
 keys `[0, b + Sk - Sq)`, so a worker runs it like any other.

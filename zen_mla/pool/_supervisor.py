@@ -7,6 +7,7 @@ and replaced. Failing to send work (no memory or buffer space) fails it, never t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import threading
@@ -20,6 +21,7 @@ from ..attention.batch import RaggedBatch
 from ..attention.select import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
+from ._direct import DirectRun
 from ._dispatch import Dispatcher
 from ._job import Outputs, PoolJob, PoolResult, Task
 from ._messages import TaskSpec
@@ -184,10 +186,15 @@ class WorkerPool:
         return_lse: bool,
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
         outputs: Outputs | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> PoolJob:
         """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
         are read in place (else copied into shared memory once); `outputs` says where `out` and
-        `lse` are to be written (else in a buffer of the pool's)."""
+        `lse` are to be written (else in a buffer of the pool's).
+
+        `loop`: the running event loop, when called from its thread. A batch that is one task
+        then goes straight to an idle worker from this thread, and its answer is read here
+        too (`_direct`); the job completes in the loop's thread."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
@@ -253,11 +260,24 @@ class WorkerPool:
             if self._closing:
                 raise PoolClosedError("the worker pool is shut down")
             self._jobs.add(job)
+        job.future.add_done_callback(lambda future: self._settled(job, future.cancelled()))
+        if loop is not None and len(tasks) == 1 and self._run_direct(tasks[0], loop):
+            return job
         # the plan's i-th share goes to the least-loaded worker, biggest share first
         for task in sorted(tasks, key=lambda t: -t.cost):
             self._enqueue(task)
-        job.future.add_done_callback(lambda future: self._settled(job, future.cancelled()))
         return job
+
+    def _run_direct(self, task: Task, loop: asyncio.AbstractEventLoop) -> bool:
+        """Run `task` on the least-loaded worker from `loop`'s thread if that worker is idle
+        with nothing queued (`_direct`); False: queue it as usual."""
+        with self._place_lock:
+            d = min(self._dispatchers, key=lambda o: (o.state != "idle", o.queue.load))
+            proc = d.lend(task)
+        if proc is None:
+            return False
+        DirectRun(d, proc, task, loop).start()
+        return True
 
     def _settled(self, job: PoolJob, cancelled: bool) -> None:
         if cancelled:  # abandoned: stop the workers busy with it, their CCXs are free at once

@@ -1,0 +1,77 @@
+"""One task run on a lent worker from an event loop, with no thread between the loop and the worker.
+
+Through the dispatcher thread a small call costs four wake-ups and two switches of the GIL: the
+loop hands the task to the thread, the thread sends it, the worker's answer wakes the thread,
+and the thread wakes the loop. Here the loop's own thread sends the task (`Dispatcher.send`)
+and reads the answer when the worker's pipe is readable: two wake-ups, the least a process hop
+can cost. The loop watches a duplicate of the pipe's descriptor, so that a pipe closed under it
+(the pool shutting down) never leaves the loop watching a number reused since.
+
+A worker that dies mid-task closes its end of the pipe: the answer reads as end-of-file, the
+task goes back to the pool as any task lost with a worker, and the dispatcher thread replaces
+the worker (`Dispatcher.give_back`). A silent one is marked stuck by the dispatcher thread, and
+a cancelled job's worker is killed as usual (`Dispatcher.cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from ._dispatch import Dispatcher
+from ._job import Task
+from ._messages import Done, Failed, ToSupervisor
+from ._process import SendFailedError, WorkerProcess
+
+__all__ = ["DirectRun"]
+
+
+class DirectRun:
+    """`task` on `proc`, lent by `dispatcher`, sent and answered in `loop`'s thread (`start()`
+    is called there)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        proc: WorkerProcess,
+        task: Task,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._dispatcher, self._proc, self._task, self._loop = dispatcher, proc, task, loop
+        self._fd: int | None = None
+
+    def start(self) -> None:
+        sent = self._dispatcher.send(self._proc, self._task)
+        if sent is not None:
+            self._end(sent)
+            return
+        try:
+            self._fd = os.dup(self._proc.conn.fileno())
+            self._loop.add_reader(self._fd, self._readable)
+        except Exception:
+            # Out of descriptors, say: the task went out, so the worker's answer is still due
+            # on its pipe, where no one else reads. Count the process as lost (the dispatcher
+            # thread replaces it) and the task with it (the pool runs it again elsewhere).
+            self._end("could not be watched for its answer")
+
+    def _readable(self) -> None:
+        conn = self._proc.conn
+        try:
+            while conn.poll(0):
+                msg: ToSupervisor = self._proc.recv()
+                answer = self._dispatcher.answer(self._task, msg)
+                if answer is not None:
+                    self._end(answer)
+                    return
+        except (EOFError, OSError):
+            self._end("died")
+
+    def _end(self, outcome: Done | Failed | SendFailedError | str) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        # given back first: a lost task is queued behind the replacement, and a next call
+        # finds the worker idle
+        self._dispatcher.give_back(outcome if isinstance(outcome, str) else None)
+        self._dispatcher.settle(self._task, outcome)
