@@ -7,7 +7,9 @@ Parts, each measured on its own, in this process unless it says otherwise:
 - kernel: `ragged_attention` in process (what an orchestrator would pay computing itself);
 - prepare: `PrefillEngine.prepare` (validation, caps, kernel choice);
 - engine: prepare + run + result on a started engine with one worker, the inputs already in
-  shared memory: kernel + the pool hop (task to a worker process and back);
+  shared memory: kernel + the pool hop (task to a worker process and back), from a plain
+  thread (the task goes through the worker's dispatcher thread) and from an event loop, as the
+  service calls it (`run(loop=)`: straight to the idle worker, the answer read in the loop);
 - http floor: `GET /health/live` through httpx on loopback (HTTP and routing, no body);
 - tcp: `PrefillClient(shared_memory=False)`, the tensors in a safetensors body;
 - regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy), the
@@ -23,8 +25,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/e2e.py: no spinning here
 
 import argparse
+import asyncio
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -90,6 +94,22 @@ def main() -> None:
                 engine.run(engine.prepare(p, PrefillOptions()), inputs=b).result(60).release()
 
             put("engine (prepare + pool hop + kernel)", n, median_ms(through_engine, args.reps))
+
+            async def from_loop(p=placed, b=buf) -> None:
+                loop = asyncio.get_running_loop()
+                job = engine.run(engine.prepare(p, PrefillOptions()), inputs=b, loop=loop)
+                (await job.wait(60)).release()
+
+            async def timed_from_loop() -> float:
+                await from_loop()  # warm
+                times = []
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    await from_loop()
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times) * 1e3
+
+            put("engine from an event loop (direct)", n, asyncio.run(timed_from_loop()))
 
     proc, url = start_server("httptools")
     try:

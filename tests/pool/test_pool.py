@@ -285,3 +285,16 @@ def test_a_small_call_is_not_split():
     pieces = [p for mine in split for p in mine]
     assert all(mine for mine in split) and len(pieces) >= 2
     assert min(p.cost for p in pieces) >= 1 << 17
+
+
+@pytest.mark.slow
+def test_workers_spin_as_openmp_does_whatever_the_parents_wait_policy(monkeypatch):
+    """A parent that keeps its own OpenMP threads from spinning (OMP_WAIT_POLICY=PASSIVE, as
+    the benchmarks do) does not make every small call wake the workers' threads from sleep."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with WorkerPool(PoolConfig(workers=1)) as p:
+        pid = p.workers()[0]["pid"]
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not any(e.startswith(b"OMP_WAIT_POLICY=") for e in env)
+    assert any(e.startswith(b"OMP_NUM_THREADS=") for e in env)
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # the parent's own is left as it was

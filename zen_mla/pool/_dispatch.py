@@ -127,7 +127,10 @@ class Dispatcher:
         with self.lock:
             task, proc = self.current, self.proc
             if task is not None and task.job is job and proc is not None:
-                proc.kill()  # the thread sees the death and replaces the worker
+                # the thread (or the borrower) sees the death and the worker is replaced; it
+                # is not alive from now on, so no one takes it for ready in the meantime
+                proc.kill()
+                self.state = "starting"
 
     def lend(self, task: Task) -> WorkerProcess | None:
         """The process, busy with `task` from now on, for a borrower that sends the task and
