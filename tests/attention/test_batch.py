@@ -114,3 +114,42 @@ def test_cu_seq_lens_property(offsets, dtype):
     assert offsets[0] == 0 and offsets[-1] == 10
     assert all(a <= b for a, b in itertools.pairwise(offsets))
     assert out.shape == (10, 1, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(0, 40), min_size=0, max_size=150),
+    kv_extra=st.lists(st.integers(0, 40), min_size=150, max_size=150),
+    causal=st.booleans(),
+)
+def test_visible_pairs_summed_in_python_and_in_torch_agree(q_lens, kv_extra, causal):
+    """Few requests are summed in Python, many in torch (`SMALL_BATCH`): the same count."""
+    from zen_mla.attention.batch import SMALL_BATCH, total_visible_pairs, visible_pairs
+
+    q_cu = tuple(itertools.accumulate(q_lens, initial=0))
+    kv_cu = tuple(
+        itertools.accumulate((a + b for a, b in zip(q_lens, kv_extra, strict=False)), initial=0)
+    )
+    expected = sum(
+        visible_pairs(q_cu[r + 1] - q_cu[r], kv_cu[r + 1] - kv_cu[r], causal)
+        for r in range(len(q_lens))
+    )
+    assert total_visible_pairs(q_cu, kv_cu, causal) == expected
+    assert SMALL_BATCH < 151  # both paths are drawn (up to 151 offsets)
+
+
+@pytest.mark.parametrize("entries", [10, 200], ids=["python", "torch"])
+def test_offsets_are_checked_alike_in_python_and_in_torch(entries):
+    """A few offsets are checked in Python, many in torch: the same errors, word for word."""
+    tq = entries - 1
+    q = torch.zeros(tq, 1, 8)
+    cu = torch.arange(entries, dtype=torch.int32)
+    assert zen_mla.ragged_attention(q, q, q, cu).shape == (tq, 1, 8)
+    bad = cu.clone()
+    bad[4] = 1
+    with pytest.raises(InvalidInputError, match=r"q_cu_seq_lens\[4\] = 1 < q_cu_seq_lens\[3\] = 3"):
+        zen_mla.ragged_attention(q, q, q, bad)
+    with pytest.raises(InvalidInputError, match=r"q_cu_seq_lens\[0\] == 5"):
+        zen_mla.ragged_attention(q, q, q, cu + 5)
+    with pytest.raises(InvalidInputError, match=rf"q_cu_seq_lens\[-1\] = {tq - 1}"):
+        zen_mla.ragged_attention(q, q, q, cu[:-1])

@@ -188,3 +188,32 @@ def test_a_task_that_fails_in_the_worker_fails_its_job_only(pool):
     asyncio.run(main())
     state = pool.workers()[0]
     assert state["state"] == "idle" and state["restarts"] == restarts
+
+
+def test_out_of_descriptors_the_task_is_queued_and_the_worker_kept(pool):
+    """The loop watches a duplicate of the worker's pipe; with no descriptor left to make one
+    the task goes to the dispatcher thread instead, and the worker is not taken for dead."""
+    from tests.pool.test_pool_faults import descriptors_exhausted
+
+    tensors = _small(4)
+    expected = zen_mla.ragged_attention(*tensors)
+    before = [(w["pid"], w["restarts"]) for w in pool.workers()]
+    out_bytes = tensors[0].shape[0] * 16 * 128 * 2
+    finished_in: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool.release(pool.buffer(out_bytes))  # the outputs' buffer, in the cache beforehand
+        with descriptors_exhausted():
+            job = _submit(pool, tensors, loop)
+            job.future.add_done_callback(
+                lambda _: finished_in.append(threading.current_thread().name)
+            )
+            result = await asyncio.wrap_future(job.future)
+        assert torch.equal(result.out, expected)
+        result.release()
+
+    asyncio.run(main())
+    assert finished_in and finished_in[0] != threading.main_thread().name  # the thread ran it
+    assert [(w["pid"], w["restarts"]) for w in pool.workers()] == before
+    assert pool.workers()[0]["state"] == "idle"

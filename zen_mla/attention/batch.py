@@ -28,6 +28,11 @@ __all__ = [
 DTYPES = VALUE_DTYPES  # what q, k and v may be
 
 
+#: offsets up to which a batch's offsets are checked and summed in Python: below it a loop costs
+#: less than the tensor operations' fixed cost (a few µs each), which a 1-token call pays ~10 of
+SMALL_BATCH = 64
+
+
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
     """(query, key) pairs a request computes; causal is bottom-right aligned (query i sees keys
     j <= i + sk - sq)."""
@@ -40,8 +45,16 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
 def total_visible_pairs(
     q_cu_seq_lens: Sequence[int], kv_cu_seq_lens: Sequence[int], causal: bool
 ) -> int:
-    """`visible_pairs` summed over a batch's requests, in one pass of int64 tensor arithmetic
-    (exact below 2^63: offsets are below 2^48 and a service caps the work far lower)."""
+    """`visible_pairs` summed over a batch's requests: in Python for a few requests, else in one
+    pass of int64 tensor arithmetic (exact below 2^63: offsets are below 2^48 and a service caps
+    the work far lower)."""
+    if len(q_cu_seq_lens) <= SMALL_BATCH:
+        return sum(
+            visible_pairs(
+                q_cu_seq_lens[r + 1] - q_cu_seq_lens[r], kv_cu_seq_lens[r + 1] - kv, causal
+            )
+            for r, kv in enumerate(kv_cu_seq_lens[:-1])
+        )
     qc = torch.tensor(q_cu_seq_lens, dtype=torch.int64)
     kc = torch.tensor(kv_cu_seq_lens, dtype=torch.int64)
     sq, sk = qc[1:] - qc[:-1], kc[1:] - kc[:-1]
@@ -163,25 +176,30 @@ def _check_cu_seq_lens(
     if cu.dtype not in INDEX_DTYPES:
         raise InvalidInputError(name, "dtype int32 or int64", str(cu.dtype))
     check_num_seqs(name, cu.numel(), max_seqs)
-    c = cu.to(torch.int64)  # one pass in torch, not a Python loop per sequence
-    if int(c[0]) != 0:
-        raise InvalidInputError(name, f"{name}[0] == 0", f"{name}[0] == {int(c[0])}")
-    falls = torch.nonzero(c[1:] < c[:-1])
-    if falls.numel():
-        i = int(falls[0, 0]) + 1
+    if cu.numel() <= SMALL_BATCH:
+        offsets = cu.tolist()
+        i = next((i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]), None)
+    else:  # one pass in torch, not a Python loop per sequence
+        c = cu.to(torch.int64)
+        falls = torch.nonzero(c[1:] < c[:-1])
+        i = int(falls[0, 0]) + 1 if falls.numel() else None
+        offsets = c.tolist()
+    if offsets[0] != 0:
+        raise InvalidInputError(name, f"{name}[0] == 0", f"{name}[0] == {offsets[0]}")
+    if i is not None:
         raise InvalidInputError(
             name,
             "non-decreasing offsets",
-            f"{name}[{i}] = {int(c[i])} < {name}[{i - 1}] = {int(c[i - 1])}",
+            f"{name}[{i}] = {offsets[i]} < {name}[{i - 1}] = {offsets[i - 1]}",
         )
-    if int(c[-1]) != total:
+    if offsets[-1] != total:
         raise InvalidInputError(
             name,
             f"{name}[-1] == {total_name} = {total}",
-            f"{name}[-1] = {int(c[-1])}",
+            f"{name}[-1] = {offsets[-1]}",
             "The last offset is the total token count of the ragged tensor",
         )
-    return tuple(c.tolist())
+    return tuple(offsets)
 
 
 def validate(

@@ -5,7 +5,8 @@ loop hands the task to the thread, the thread sends it, the worker's answer wake
 and the thread wakes the loop. Here the loop's own thread sends the task (`Dispatcher.send`)
 and reads the answer when the worker's pipe is readable: two wake-ups, the least a process hop
 can cost. The loop watches a duplicate of the pipe's descriptor, so that a pipe closed under it
-(the pool shutting down) never leaves the loop watching a number reused since.
+(the pool shutting down) never leaves the loop watching a number reused since; where it cannot
+make one (out of descriptors) the task is queued for the dispatcher thread instead.
 
 A worker that dies mid-task closes its end of the pipe: the answer reads as end-of-file, the
 task goes back to the pool as any task lost with a worker, and the dispatcher thread replaces
@@ -40,19 +41,22 @@ class DirectRun:
         self._dispatcher, self._proc, self._task, self._loop = dispatcher, proc, task, loop
         self._fd: int | None = None
 
-    def start(self) -> None:
-        sent = self._dispatcher.send(self._proc, self._task)
-        if sent is not None:
-            self._end(sent)
-            return
+    def start(self) -> bool:
+        """Send the task; False, with nothing sent and the worker given back idle, when the
+        loop cannot watch its pipe (out of descriptors, say): the caller queues it instead."""
         try:
             self._fd = os.dup(self._proc.conn.fileno())
             self._loop.add_reader(self._fd, self._readable)
         except Exception:
-            # Out of descriptors, say: the task went out, so the worker's answer is still due
-            # on its pipe, where no one else reads. Count the process as lost (the dispatcher
-            # thread replaces it) and the task with it (the pool runs it again elsewhere).
-            self._end("could not be watched for its answer")
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._dispatcher.give_back()
+            return False
+        sent = self._dispatcher.send(self._proc, self._task)
+        if sent is not None:
+            self._end(sent)
+        return True
 
     def _readable(self) -> None:
         conn = self._proc.conn

@@ -2,6 +2,10 @@
 
 Only the standard library is imported here: a worker unpickles these before it has set its CPU
 affinity and thread environment, and torch must not load before that.
+
+Plain frozen dataclasses, not `slots=True` ones: pickle reads and restores a plain one's
+`__dict__` in C, a slotted one field by field through Python (`RunTask` of a 1-token call: 16 µs
+to pickle and 15 µs to unpickle slotted, 7.5 and 7.5 plain; one of each a call).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TensorRef:
     """Where a tensor lies in a shared buffer, in a form a pipe carries (no tensor bytes)."""
 
@@ -35,7 +39,7 @@ class TensorRef:
     dtype: str  # "bfloat16", ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Piece:
     """Requests `[r0, r1)`, heads `[h0, h1)`. Token ranges are absolute; `q_cu`/`kv_cu` are the
     requests' offsets relative to `q_lo`/`kv_lo`. `cost` in head x (query, key) pairs."""
@@ -53,7 +57,7 @@ class Piece:
     cost: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BufferUse:
     """A shared buffer a task reads or writes; `sent`: its descriptor rides with the message
     (the worker has not mapped it yet). A client's region is mapped without `populate`: its
@@ -65,7 +69,7 @@ class BufferUse:
     populate: bool = True  # fault its pages in when mapping it (the pool's own buffers)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TaskSpec:
     """One worker's share of a batch: `pieces` of it over `q`, `k`, `v`, written to `out` (and
     `lse`). `forget`: buffer ids the worker is to unmap (freed by the supervisor)."""
@@ -86,7 +90,7 @@ class TaskSpec:
 # -- supervisor -> worker --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RunTask:
     """Run `spec`; one descriptor is attached per `spec.buffers` entry marked `sent`, in order."""
 
@@ -94,7 +98,7 @@ class RunTask:
     spec: TaskSpec
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Stop:
     """Exit now."""
 
@@ -102,19 +106,19 @@ class Stop:
 # -- worker -> supervisor --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Ready:
     """torch is loaded: the worker takes tasks."""
 
     pid: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Done:
     task_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Failed:
     """The task raised; the worker keeps none of its buffers mapped. `error_type` is the
     exception's class name; for an InvalidInputError, `fields` are its (name, expected, got,
@@ -126,7 +130,7 @@ class Failed:
     fields: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Beat:
     """A heartbeat, every `ping_interval` s from the worker's watchdog thread."""
 

@@ -274,10 +274,7 @@ class WorkerPool:
         with self._place_lock:
             d = min(self._dispatchers, key=lambda o: (o.state != "idle", o.queue.load))
             proc = d.lend(task)
-        if proc is None:
-            return False
-        DirectRun(d, proc, task, loop).start()
-        return True
+        return proc is not None and DirectRun(d, proc, task, loop).start()
 
     def _settled(self, job: PoolJob, cancelled: bool) -> None:
         if cancelled:  # abandoned: stop the workers busy with it, their CCXs are free at once
