@@ -127,9 +127,7 @@ class Dispatcher:
         with self.lock:
             task, proc = self.current, self.proc
             if task is not None and task.job is job and proc is not None:
-                # the thread (or the borrower) sees the death and the worker is replaced; it
-                # is not alive from now on, so no one takes it for ready in the meantime
-                proc.kill()
+                proc.kill()  # seen dying, then replaced; no one takes it for ready meanwhile
                 self.state = "starting"
 
     def lend(self, task: Task) -> WorkerProcess | None:
@@ -147,6 +145,8 @@ class Dispatcher:
         """End a loan; `died`: why the process is lost (the dispatcher thread replaces it)."""
         with self.lock:
             self.lent, self.current = False, None
+            if died is None and self.state == "starting":
+                died = "was stopped (its job was cancelled)"  # answered as it was killed
             if died is None:
                 self.state = "idle"
             else:
