@@ -17,7 +17,7 @@ import torch
 import zen_mla
 from tests.reference import assert_close_to_reference
 from zen_mla.attention import select_kernel, validate
-from zen_mla.pool import PoolConfig, PoolJob, WorkerPool
+from zen_mla.pool import PoolConfig, PoolJob, PoolResult, WorkerPool
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,15 @@ def _wait_alive(pool: WorkerPool, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+async def _run_noting_thread(pool: WorkerPool, tensors, loop) -> tuple[PoolResult, str]:
+    """`tensors` run from `loop`: the result, and the thread its job completed in."""
+    job = _submit(pool, tensors, loop)
+    finished_in: list[str] = []
+    job.future.add_done_callback(lambda _: finished_in.append(threading.current_thread().name))
+    result = await asyncio.wrap_future(job.future)
+    return result, finished_in[0]
+
+
 def test_answers_are_read_in_the_loops_thread(pool):
     tensors = _small()
     expected = zen_mla.ragged_attention(*tensors)
@@ -72,11 +81,8 @@ def test_answers_are_read_in_the_loops_thread(pool):
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for _ in range(20):
-            job = _submit(pool, tensors, loop)
-            job.future.add_done_callback(
-                lambda _: finished_in.append(threading.current_thread().name)
-            )
-            result = await asyncio.wrap_future(job.future)
+            result, thread = await _run_noting_thread(pool, tensors, loop)
+            finished_in.append(thread)
             assert torch.equal(result.out, expected)
             result.release()
 
@@ -205,11 +211,8 @@ def test_out_of_descriptors_the_task_is_queued_and_the_worker_kept(pool):
         loop = asyncio.get_running_loop()
         pool.release(pool.buffer(out_bytes))  # the outputs' buffer, in the cache beforehand
         with descriptors_exhausted():
-            job = _submit(pool, tensors, loop)
-            job.future.add_done_callback(
-                lambda _: finished_in.append(threading.current_thread().name)
-            )
-            result = await asyncio.wrap_future(job.future)
+            result, thread = await _run_noting_thread(pool, tensors, loop)
+        finished_in.append(thread)
         assert torch.equal(result.out, expected)
         result.release()
 
