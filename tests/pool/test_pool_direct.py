@@ -6,6 +6,7 @@ fails, work queued behind a loan."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
@@ -210,8 +211,15 @@ def test_out_of_descriptors_the_task_is_queued_and_the_worker_kept(pool):
     async def main() -> None:
         loop = asyncio.get_running_loop()
         pool.release(pool.buffer(out_bytes))  # the outputs' buffer, in the cache beforehand
-        with descriptors_exhausted():
-            result, thread = await _run_noting_thread(pool, tensors, loop)
+        # no finalizer may close a descriptor (a buffer of an earlier test's) while they are
+        # held: one freed would let the loop watch the pipe after all
+        gc.collect()
+        gc.disable()
+        try:
+            with descriptors_exhausted():
+                result, thread = await _run_noting_thread(pool, tensors, loop)
+        finally:
+            gc.enable()
         finished_in.append(thread)
         assert torch.equal(result.out, expected)
         result.release()
