@@ -258,11 +258,13 @@ class Dispatcher:
 
     def _wait_given_back(self) -> None:
         """Wait while the worker is lent, marking it stuck should it fall silent meanwhile."""
-        with self.lock:
-            while self.lent and not self._closed.is_set():
-                self._given_back.wait(self._config.ping_interval)
-                if self.lent:
-                    self._check_silence(locked=True)
+        while True:
+            with self.lock:
+                if self.lent and not self._closed.is_set():
+                    self._given_back.wait(self._config.ping_interval)
+                if not self.lent or self._closed.is_set():
+                    return
+            self._check_silence()
 
     def _replace_if_lost(self) -> bool:
         """Replace a process that died while lent; True if it did."""
@@ -274,7 +276,7 @@ class Dispatcher:
             self._replace(why)
         return True
 
-    def _check_silence(self, locked: bool = False) -> None:
+    def _check_silence(self) -> None:
         """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
         slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
         as not alive meanwhile."""
@@ -286,10 +288,7 @@ class Dispatcher:
                 self.proc.pid if self.proc else None,
                 silent,
             )
-            if locked:
-                self.state = "stuck"
-            else:
-                self._set("stuck")
+            self._set("stuck")
 
     def heard(self) -> None:
         """A message came from the worker: it is alive (and no longer stuck)."""
