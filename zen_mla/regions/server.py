@@ -95,9 +95,8 @@ class RegionServer:
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.max_unauthenticated = max_unauthenticated
         self._calls = calls
-        self._running: set[asyncio.Task[None]] = (
-            set()
-        )  # calls in flight, one per connection at most
+        # calls in flight, one per connection at most
+        self._running: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
         self._clients: dict[int, _Client] = {}  # said hello
         self._waiting: dict[int, _Client] = {}  # yet to, oldest first
