@@ -63,6 +63,28 @@ def test_unix_socket(uds_server):
     check(q, k, v, q_cu, kv_cu, True, got, False)
 
 
+@pytest.mark.slow  # getfixturevalue: the server fixtures are not seen at collection
+@pytest.mark.parametrize("where", ["server", "uds_server"])
+def test_large_answers_read_from_the_socket(where, request):
+    """Answers of 4 MiB (the blocking client reads them past httpx, straight into its answer
+    memory), then a small one and /health on the same client: each the library's numbers."""
+    served = request.getfixturevalue(where)
+    q = torch.randn(1024, 16, 192, dtype=torch.bfloat16)
+    k, v = torch.randn(4, 16, 192, dtype=torch.bfloat16), torch.randn(4, 16, 128).bfloat16()
+    q_cu, kv_cu = torch.tensor([0, 1024], dtype=torch.int32), torch.tensor([0, 4]).int()
+    with PrefillClient(served.url, uds=served.uds, shared_memory=False) as client:
+        for return_lse in (False, True, False):
+            args = (q, k, v, q_cu, kv_cu)
+            got = client.prefill(*args, causal=False, return_lse=return_lse)
+            want = zen_mla.ragged_attention(*args, causal=False, return_lse=return_lse)
+            got, want = (got, want) if return_lse else ((got,), (want,))
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        small = (q[:2], k, v, torch.tensor([0, 2]).int(), kv_cu)
+        got_small = client.prefill(*small, causal=False)
+        assert torch.equal(got_small, zen_mla.ragged_attention(*small, causal=False))
+        assert client.health()["status"] == "ok"
+
+
 def test_response_metadata_and_timing(server):
     from zen_mla import wire
 

@@ -17,9 +17,11 @@ from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolErro
 from ..regions.client import Layout
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
+from ._memory import MIN_BYTES, AnswerMemory
 
 __all__ = [
     "Body",
+    "Bytes",
     "Outputs",
     "PrefillResult",
     "answered",
@@ -32,6 +34,8 @@ __all__ = [
 MAX_PROBLEM_BYTES = 64 << 10  # of an error's body; the rest is not read
 
 PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# an answer's bytes: a bytearray, or a view of an AnswerMemory buffer
+Bytes = bytearray | memoryview
 
 
 def _content_length(headers: httpx.Headers) -> int | None:
@@ -48,10 +52,16 @@ class Body:
     """An answer's bytes as they come, never more than `limit`: an answer announced or running
     past it is a ProtocolError before the rest is read; with `cut`, the rest is left unread.
     `check` runs before each chunk is kept (the call's deadline: a transport of the caller's own
-    may wait on each read as long as it likes)."""
+    may wait on each read as long as it likes). With `memory`, an answer of `MIN_BYTES` or more
+    lands in a buffer of it (its tensors are then views of that)."""
 
     def __init__(
-        self, headers: httpx.Headers, limit: int, check: Callable[[], None], cut: bool
+        self,
+        headers: httpx.Headers,
+        limit: int,
+        check: Callable[[], None],
+        cut: bool,
+        memory: AnswerMemory | None = None,
     ) -> None:
         self.length = _content_length(headers)
         self._limit, self._check, self._cut, self._pos = limit, check, cut, 0
@@ -64,14 +74,41 @@ class Body:
             )
         # where the length is known, the answer lands in one buffer of that size (the decoded
         # tensors are views of it)
-        self.buf = bytearray(self.length if self.length is not None and not cut else 0)
+        known = self.length if self.length is not None and not cut and self.wanted else 0
+        self.buf: Bytes = (
+            memory.take(known) if memory is not None and known >= MIN_BYTES else bytearray(known)
+        )
 
     @classmethod
-    def of(cls, status: int, headers: httpx.Headers, limit: int, check: Callable[[], None]) -> Body:
-        """200: the answer, `limit` bytes at most; another status: its problem, cut short."""
+    def of(
+        cls,
+        status: int,
+        headers: httpx.Headers,
+        limit: int,
+        check: Callable[[], None],
+        memory: AnswerMemory | None = None,
+    ) -> Body:
+        """200: the answer, `limit` bytes at most (in `memory` where large); another status: its
+        problem, cut short."""
         if status == 200:
-            return cls(headers, limit, check, cut=False)
+            return cls(headers, limit, check, cut=False, memory=memory)
         return cls(headers, MAX_PROBLEM_BYTES, check, cut=True)
+
+    @property
+    def left(self) -> int:
+        """Bytes still to come of an answer of known length (0 where the length is unknown)."""
+        if self.length is None or self._cut or not self.wanted:
+            return 0
+        return self.length - self._pos
+
+    def rest(self, most: int) -> memoryview:
+        """Where the next bytes go, at most `most` of them (read straight into it, then
+        `advance`)."""
+        self._check()
+        return memoryview(self.buf)[self._pos : self._pos + min(most, self.left)]
+
+    def advance(self, n: int) -> None:
+        self._pos += n
 
     def take(self, chunk: bytes) -> bool:
         """Keep `chunk`; False once no more is to be read."""
@@ -79,6 +116,7 @@ class Body:
         end = self._pos + len(chunk)
         if end > self._limit:
             if self._cut:
+                assert isinstance(self.buf, bytearray)
                 self.buf += chunk[: self._limit - self._pos]
                 return False
             raise ProtocolError(
@@ -89,25 +127,26 @@ class Body:
                 raise ProtocolError(f"the answer runs past its Content-Length of {self.length}")
             self.buf[self._pos : end] = chunk
         else:
+            assert isinstance(self.buf, bytearray)
             self.buf += chunk
         self._pos = end
         return True
 
-    def whole(self) -> bytearray:
+    def whole(self) -> Bytes:
         if self.wanted and self.length is not None and not self._cut and self._pos != self.length:
             raise ProtocolError(f"the answer ended after {self._pos} of its {self.length} bytes")
         return self.buf
 
 
-def _json_object(body: bytes | bytearray) -> dict[str, Any] | None:
+def _json_object(body: bytes | Bytes) -> dict[str, Any] | None:
     try:
-        value = json.loads(body)
+        value = json.loads(body if isinstance(body, bytes | bytearray) else bytes(body))
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def problem(status: int, body: bytes | bytearray, headers: httpx.Headers) -> ZenMLAError:
+def problem(status: int, body: bytes | Bytes, headers: httpx.Headers) -> ZenMLAError:
     """The exception the service raised, from its problem+json and its Retry-After."""
     found = _json_object(body)
     if found is None:
@@ -182,7 +221,7 @@ class Outputs:
 
 def decoded(
     status: int,
-    body: bytearray,
+    body: Bytes,
     headers: httpx.Headers,
     outputs: Outputs,
     device: torch.device,
@@ -205,7 +244,7 @@ def decoded(
 
 def answered(
     status: int,
-    body: bytearray,
+    body: Bytes,
     headers: httpx.Headers,
     layout: Layout,
     outputs: Outputs,
@@ -229,7 +268,7 @@ def answered(
     return out, layout.lse.to(device, copy=True)
 
 
-def health_json(status: int, body: bytearray) -> dict[str, Any]:
+def health_json(status: int, body: Bytes) -> dict[str, Any]:
     health = _json_object(body)
     if health is None:
         raise ProtocolError(

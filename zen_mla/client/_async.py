@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
-from ._answers import Body, PrefillResult, health_json
+from ._answers import Body, Bytes, PrefillResult, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
 
@@ -135,13 +135,14 @@ class AsyncPrefillClient(BaseClient):
 
     async def _send(
         self, i: int, x: Exchange, deadline: Deadline
-    ) -> tuple[int, httpx.Headers, bytearray]:
-        """As `PrefillClient._send`."""
+    ) -> tuple[int, httpx.Headers, Bytes]:
+        """As `PrefillClient._send`, each chunk through httpx."""
         content = _parts(x.content) if isinstance(x.content, list) else x.content
         async with self._http[i].stream(
             x.method, x.path, content=content, headers=x.headers
         ) as answer:
-            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check)
+            memory = self._answer_memory if x.tensors else None
+            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check, memory)
             if body.wanted:
                 async for chunk in answer.aiter_raw():
                     if not body.take(chunk):

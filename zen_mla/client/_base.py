@@ -30,8 +30,9 @@ from ..regions.client import Layout, RegionClient, RegionSet
 from ..regions.protocol import MAX_MESSAGE, encode_frame
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
-from ._answers import Outputs, PrefillResult, answered, called, decoded, health_json
+from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded, health_json
 from ._deadline import Deadline, call_budget
+from ._memory import AnswerMemory
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -52,18 +53,21 @@ MAX_RETRY_WAIT = 30.0
 DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
 MAX_HEALTH_BYTES = 1 << 20  # of /health's JSON
 REGION_TIMEOUT = 10.0  # seconds, at most, for one exchange on the region socket
+KEEP_ANSWER_BYTES = 256 << 20  # of answer memory kept idle for the next calls (AnswerMemory)
 
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One HTTP exchange to send: `content` as bytes or in parts, a 200's body read up to
-    `limit` bytes (`Body`)."""
+    `limit` bytes (`Body`); `tensors`: the answer holds tensors (a large one goes into the
+    client's `AnswerMemory`)."""
 
     method: str
     path: str
     limit: int
     content: bytes | list[bytes | memoryview] | None = None
     headers: dict[str, str] | None = None
+    tensors: bool = False
 
 
 HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)
@@ -261,7 +265,8 @@ class Call:
             length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
             limit = self.outputs.max_answer
-            self._post = Exchange("POST", "/prefill", limit, parts, self._client._auth(headers))
+            headers = self._client._auth(headers)
+            self._post = Exchange("POST", "/prefill", limit, parts, headers, tensors=True)
         return self._post
 
     def region_post(self, layout: Layout) -> Exchange:
@@ -289,12 +294,12 @@ class Call:
             return None
         return called(reply, layout, self.outputs, self.device)
 
-    def decoded(self, status: int, body: bytearray, headers: httpx.Headers) -> PrefillResult:
+    def decoded(self, status: int, body: Bytes, headers: httpx.Headers) -> PrefillResult:
         """The results in the answer to `post()`."""
         return decoded(status, body, headers, self.outputs, self.device)
 
     def answered(
-        self, status: int, body: bytearray, headers: httpx.Headers, layout: Layout
+        self, status: int, body: Bytes, headers: httpx.Headers, layout: Layout
     ) -> PrefillResult:
         """The results in the answer to `region_post(layout)`, copied out of the region."""
         return answered(status, body, headers, layout, self.outputs, self.device)
@@ -321,6 +326,7 @@ class BaseClient:
         self._shared_memory = shared_memory
         # per endpoint: its regions, None where there are none, missing until first asked
         self._regions: dict[int, RegionSet | None] = {}
+        self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
 
     def _auth(self, headers: dict[str, str]) -> dict[str, str]:
         return _authorized(headers, self._token)
@@ -351,7 +357,7 @@ class BaseClient:
         work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
         return Call(tensors, options, outputs, work, self)
 
-    def _offered_regions(self, status: int, body: bytearray) -> RegionSet | None:
+    def _offered_regions(self, status: int, body: Bytes) -> RegionSet | None:
         """The same-host regions of the service whose /health answer this is, or None where they
         cannot be had (SharedMemoryUnavailableError instead when required). The region socket
         must answer with the instance /health names: a path that exists here may belong to
@@ -378,6 +384,8 @@ class BaseClient:
         return RegionSet(client)
 
     def _close_regions(self) -> None:
+        """The regions closed, and no answer memory kept any more."""
+        self._answer_memory.close()
         for regions in self._regions.values():
             if regions is not None:
                 regions.close()

@@ -12,10 +12,10 @@ import torch
 
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
-from ._answers import Body, PrefillResult, health_json
+from ._answers import Body, Bytes, PrefillResult, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
-from ._transport import DeadlineTransport, sync_call
+from ._transport import DeadlineTransport, read_body, sync_call
 
 __all__ = ["PrefillClient"]
 
@@ -113,18 +113,16 @@ class PrefillClient(BaseClient):
             status, headers, body = self._send(i, call.region_post(layout), call.deadline)
             return call.answered(status, body, headers, layout)
 
-    def _send(
-        self, i: int, x: Exchange, deadline: Deadline
-    ) -> tuple[int, httpx.Headers, bytearray]:
+    def _send(self, i: int, x: Exchange, deadline: Deadline) -> tuple[int, httpx.Headers, Bytes]:
         """Status, headers and body of one exchange with endpoint i."""
         # parts (memoryviews too) go to the socket as they are (httpx's annotation says bytes)
         content: Any = iter(x.content) if isinstance(x.content, list) else x.content
-        with self._http[i].stream(x.method, x.path, content=content, headers=x.headers) as answer:
-            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check)
+        http = self._http[i]
+        memory = self._answer_memory if x.tensors else None
+        with http.stream(x.method, x.path, content=content, headers=x.headers) as answer:
+            body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check, memory)
             if body.wanted:
-                for chunk in answer.iter_raw():
-                    if not body.take(chunk):
-                        break
+                read_body(answer, body, http.timeout.read)
         return answer.status_code, answer.headers, body.whole()
 
     def health(self) -> dict[str, Any]:
