@@ -9,6 +9,7 @@ import torch
 
 from .batch import RaggedBatch
 from .kernels import AttentionKernel, KernelCall
+from .padding import padded
 
 __all__ = ["MASK_BUDGET_BYTES", "attend"]
 
@@ -64,14 +65,25 @@ def attend(
         out = torch.empty(tq, h, dv, dtype=batch.v.dtype)
     if return_lse and lse is None:
         lse = torch.empty(h, tq, dtype=torch.float32)
-    v = batch.v
     if kernel.needs_equal_head_dims and dv < dqk:
         # The fused kernels want Dv == Dqk: pad V once for the whole batch (one copy, Tk rows)
         # rather than once per request; the padded columns of `out` are never copied out.
-        # Made outside inference mode, the copy can carry zentorch's LSE route (see there).
-        with torch.inference_mode(False):
-            v = torch.nn.functional.pad(v, (0, dqk - dv))
+        with padded(batch.v, dqk) as v:
+            _attend_runs(batch, kernel, v, out, lse, return_lse)
+    else:
+        _attend_runs(batch, kernel, batch.v, out, lse, return_lse)
+    return out, lse
 
+
+def _attend_runs(
+    batch: RaggedBatch,
+    kernel: type[AttentionKernel],
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+) -> None:
+    h = batch.q.shape[1]
     for run in batch.runs():
         if run.sq == 0:
             continue
@@ -125,4 +137,3 @@ def attend(
                     q_r[:, :, a:b], k_r[:, :, :seen], v_r[:, :, :seen], causal=False, mask=mask
                 )
                 dst.put(slice(a, b), o, lo)
-    return out, lse
