@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -49,6 +50,26 @@ def test_round_trip_through_regions(server, spec, return_lse):
         assert client.regions(0) is not None
     out, lse = got if return_lse else (got, None)
     assert_close_to_reference(q, k, v, q_cu, kv_cu, causal, out, lse)
+
+
+def test_a_large_answer_is_copied_into_answer_memory_reused_once_dropped(server):
+    """out of 4 MiB (1024 x 16 x 128 bf16), copied out of the scratch region: into memory the
+    client keeps, handed out again only once the result holding it is gone."""
+    q = torch.randn(1024, 16, 192, dtype=torch.bfloat16)
+    k, v = torch.randn(4, 16, 192, dtype=torch.bfloat16), torch.randn(4, 16, 128).bfloat16()
+    args = (q, k, v, torch.tensor([0, 1024]).int(), torch.tensor([0, 4]).int())
+    want = zen_mla.ragged_attention(*args, causal=False)
+    with PrefillClient(server.url, shared_memory=True) as client:
+        first = client.prefill(*args, causal=False)
+        second = client.prefill(*args, causal=False)
+        assert torch.equal(first, want) and torch.equal(second, want)
+        address = first.untyped_storage().data_ptr()
+        assert second.untyped_storage().data_ptr() != address
+        del first
+        gc.collect()
+        third = client.prefill(*args, causal=False)
+        assert torch.equal(third, want) and torch.equal(second, want)
+        assert third.untyped_storage().data_ptr() == address
 
 
 def test_async_client_and_tensors_built_in_a_region(server):

@@ -249,9 +249,11 @@ def answered(
     layout: Layout,
     outputs: Outputs,
     device: torch.device,
+    memory: AnswerMemory | None = None,
 ) -> PrefillResult:
     """The results a region request's answer points at, checked against the request and copied
-    out of the scratch region (which the next request reuses), on the caller's device."""
+    out of the scratch region (which the next request reuses), on the caller's device (in
+    `memory` where large and on the CPU)."""
     if status != 200:
         raise problem(status, body, headers)
     try:
@@ -262,10 +264,17 @@ def answered(
     for name, place in answer.places.items():
         if place != layout.places[name]:
             raise ProtocolError(f"{name}: expected written at {layout.places[name]}, got {place}")
-    out = layout.out.to(device, copy=True)
+    out = _copied(layout.out, device, memory)
     if layout.lse is None:
         return out
-    return out, layout.lse.to(device, copy=True)
+    return out, _copied(layout.lse, device, memory)
+
+
+def _copied(t: torch.Tensor, device: torch.device, memory: AnswerMemory | None) -> torch.Tensor:
+    if memory is None or device.type != "cpu" or t.nbytes < MIN_BYTES:
+        return t.to(device, copy=True)
+    kept = torch.frombuffer(memory.take(t.nbytes), dtype=t.dtype).view(t.shape)
+    return kept.copy_(t)
 
 
 def health_json(status: int, body: Bytes) -> dict[str, Any]:
@@ -278,7 +287,11 @@ def health_json(status: int, body: Bytes) -> dict[str, Any]:
 
 
 def called(
-    reply: Mapping[str, Any], layout: Layout, outputs: Outputs, device: torch.device
+    reply: Mapping[str, Any],
+    layout: Layout,
+    outputs: Outputs,
+    device: torch.device,
+    memory: AnswerMemory | None = None,
 ) -> PrefillResult:
     """The results a region-socket call's reply points at, as `answered` reads an HTTP answer:
     `{"ok": true, "body": <the regions JSON answer>}`, or an error reply raised as its class."""
@@ -289,7 +302,7 @@ def called(
     body = reply.get("body")
     if not isinstance(body, str):
         raise ProtocolError(f"the call's reply: expected a body, got {type(body).__name__}")
-    return answered(200, bytearray(body.encode()), _NO_HEADERS, layout, outputs, device)
+    return answered(200, bytearray(body.encode()), _NO_HEADERS, layout, outputs, device, memory)
 
 
 _NO_HEADERS = httpx.Headers()

@@ -292,7 +292,7 @@ class Call:
             raise ServiceUnavailableError(f"the service's region socket closed: {exc}") from exc
         if reply is None:
             return None
-        return called(reply, layout, self.outputs, self.device)
+        return called(reply, layout, self.outputs, self.device, self._client._answer_memory)
 
     def decoded(self, status: int, body: Bytes, headers: httpx.Headers) -> PrefillResult:
         """The results in the answer to `post()`."""
@@ -302,7 +302,8 @@ class Call:
         self, status: int, body: Bytes, headers: httpx.Headers, layout: Layout
     ) -> PrefillResult:
         """The results in the answer to `region_post(layout)`, copied out of the region."""
-        return answered(status, body, headers, layout, self.outputs, self.device)
+        memory = self._client._answer_memory
+        return answered(status, body, headers, layout, self.outputs, self.device, memory)
 
 
 class BaseClient:
