@@ -46,3 +46,15 @@ def test_padded_under_inference_mode_can_require_grad():
         with padded(v, 192) as got:
             assert not got.is_inference()
             got.detach().requires_grad_()
+
+
+def test_a_v_over_the_bound_leaves_the_kept_memory_kept(monkeypatch):
+    monkeypatch.setattr(padding, "_kept", [])
+    small = torch.randn(8, 4, 128, dtype=torch.bfloat16)
+    with padded(small, 192) as got:
+        address = got.data_ptr()
+    monkeypatch.setattr(padding, "KEEP_BYTES", 64 << 10)
+    with padded(torch.randn(512, 4, 128, dtype=torch.bfloat16), 192):
+        pass
+    with padded(small, 192) as again:
+        assert again.data_ptr() == address

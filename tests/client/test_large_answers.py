@@ -15,7 +15,14 @@ import pytest
 import torch
 
 import zen_mla
-from tests.client.fake_server import FakeServer, Request, response, safetensors_body, trickle
+from tests.client.fake_server import (
+    FakeServer,
+    Request,
+    chunked,
+    response,
+    safetensors_body,
+    trickle,
+)
 from tests.client.test_hostile import CLIENTS, bounded
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.client._memory import MIN_BYTES, AnswerMemory
@@ -133,6 +140,22 @@ def test_a_large_answer_trickled_ends_at_the_timeout():
     ):
         bounded(lambda: client.prefill(q, k, v, cu))
     assert time.monotonic() - t0 < 2 + 1.5
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+def test_a_large_chunked_answer_that_also_has_a_content_length(kind):
+    """HTTP reads it chunked (h11 does): the chunks' framing must never be taken for tensor
+    bytes, as the socket would give them."""
+    want = big_answer()
+    data = safetensors_body(want)
+    whole = response(200, chunked(data, 1 << 16), {"Transfer-Encoding": "chunked"})
+    whole = whole.replace(
+        b"Content-Length: %d" % len(chunked(data, 1 << 16)), b"Content-Length: %d" % len(data)
+    )
+    head = whole.index(b"\r\n\r\n") + 4
+    with FakeServer(sent_in_two(whole, head)) as server:
+        got = calls(kind, server.url, 1)
+    assert torch.equal(got[0], want["out"])
 
 
 def test_bytes_past_the_content_length_are_not_taken():

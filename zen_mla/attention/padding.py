@@ -32,9 +32,9 @@ def padded(v: torch.Tensor, head_dim: int) -> Iterator[torch.Tensor]:
     n = t * h * head_dim
     size = n * v.element_size()
     with _lock:
-        buf = _kept.pop() if _kept else None
-    if buf is None or buf.numel() < size:
-        buf = None if size > KEEP_BYTES else _new(size)
+        buf = _kept.pop() if _kept and _kept[0].numel() >= size else None
+    if buf is None and size <= KEEP_BYTES:
+        buf = _new(size)  # kept in place of a smaller one
     try:
         with torch.inference_mode(False):
             if buf is None:

@@ -133,11 +133,15 @@ def read_body(answer: httpx.Response, body: Body, timeout: float | None) -> None
     """The answer's body into `body`, until it has all it wants. What httpx holds already comes
     through httpx; the rest of an answer of `DIRECT_MIN` bytes or more is read from the socket
     straight into `body`'s buffer (no joins, no copies: h11 would copy each byte twice more) when
-    the socket is one of `DeadlineTransport`'s, plain, and the length is known; each read waits
+    the socket is one of `DeadlineTransport`'s, plain, and the answer framed by its length
+    alone; each read waits
     at most `timeout`, cut to what the call has left."""
     stream = answer.extensions.get("network_stream")
     sock = stream.plain_socket() if isinstance(stream, _DeadlineStream) else None
-    direct = sock is not None and body.left >= DIRECT_MIN
+    # framed by its Content-Length alone: with a Transfer-Encoding too, h11 reads it chunked
+    # (as HTTP says), and the raw socket would give the chunks' framing as the answer's bytes
+    framed = "transfer-encoding" not in answer.headers
+    direct = sock is not None and framed and body.left >= DIRECT_MIN
     # held until the body is read: dropping the generator closes httpx's connection
     chunks = answer.iter_raw()
     for chunk in chunks:
