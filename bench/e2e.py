@@ -1,6 +1,7 @@
 """End-to-end benchmark: the client's POST /prefill and the KServe v2 (Open Inference Protocol)
 route POST /v2/models/mla_prefill/infer on loopback against in-process ragged_attention, and the
-service's ingest/egress rates, for uvicorn's httptools and h11.
+service's ingest/egress rates (egress as plain httpx and as PrefillClient read the answer), for
+uvicorn's httptools and h11.
 
     .venv/bin/python bench/e2e.py [--reps 7]
 
