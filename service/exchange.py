@@ -9,15 +9,13 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from zen_mla import (
@@ -52,13 +50,11 @@ __all__ = [
     "ready_engine",
     "receive",
     "receive_small",
-    "stream",
     "timed",
 ]
 
 log = logging.getLogger("zen_mla.service")
 R = TypeVar("R", bound=Response)
-SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
 
 
 def authorize(state: ServiceState, request: Request) -> None:
@@ -342,53 +338,3 @@ def timed(response: R, ingest_s: float, queue_s: float, compute_s: float, x: Exc
         "compute_ms": round(compute_s * 1e3, 3),
     }
     return response
-
-
-def stream(
-    head: bytes,
-    chunks: Sequence[memoryview],
-    result: PrefillResult,
-    media_type: str,
-    headers: dict[str, str] | None = None,
-) -> StreamingResponse:
-    """`head`, then `chunks` (views of the shared memory the workers wrote), without a copy.
-
-    The memory goes back to the pool only when nothing refers to it any more: the transport
-    (uvloop) may keep a chunk it could not write at once and send it after the app is done, so
-    release waits for the arrays behind the chunks to be collected, not for the last yield.
-    """
-    pending = list(chunks)
-    length = len(head) + sum(c.nbytes for c in pending)
-    _release_when_collected(result, [c.obj for c in pending if c.nbytes])
-
-    async def body() -> AsyncIterator[bytes | memoryview]:
-        yield head
-        while pending:
-            chunk = pending.pop(0)
-            for i in range(0, chunk.nbytes, SEND_CHUNK):
-                yield chunk[i : i + SEND_CHUNK]
-            del chunk
-
-    return StreamingResponse(
-        body(),
-        media_type=media_type,
-        headers={"Content-Length": str(length)} | (headers or {}),
-    )
-
-
-def _release_when_collected(result: PrefillResult, exporters: list[object]) -> None:
-    if not exporters:
-        result.release()
-        return
-    left = [len(exporters)]
-    lock = threading.Lock()
-
-    def one_gone() -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            result.release()
-
-    for obj in exporters:
-        weakref.finalize(obj, one_gone)

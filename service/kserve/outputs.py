@@ -18,8 +18,9 @@ from zen_mla.regions.registry import Span, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
+from ..answer import stream
 from ..body import SMALL_BYTES
-from ..exchange import answer_metadata, stream
+from ..exchange import answer_metadata
 from . import request as kr
 from .system_shm import SHM_DIR, SystemRegion, SystemShmRegistry
 

@@ -10,12 +10,12 @@ import time
 
 import torch
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
 
 from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
 from zen_mla.engine import PrefillEngine, PrefillResult
 from zen_mla.wire import regions_json
 
+from ..answer import stream
 from ..exchange import (
     Exchange,
     admit,
@@ -27,7 +27,6 @@ from ..exchange import (
     handle,
     receive,
     receive_small,
-    stream,
     timed,
 )
 from ..problems import PROBLEM_RESPONSES, problem
@@ -125,9 +124,9 @@ async def _from_regions(
     return timed(response, ingest_s, *timing, x)
 
 
-def send(result: PrefillResult, request_id: str | None) -> StreamingResponse:
+def send(result: PrefillResult, request_id: str | None) -> Response:
     """safetensors header, then out and lse straight from the shared memory the workers wrote
-    (`exchange.stream`)."""
+    (`answer.stream`)."""
     outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
     header, chunks = wire.encode(outputs, answer_metadata(result.kernels, request_id))
     return stream(header, chunks, result, "application/octet-stream")

@@ -10,6 +10,7 @@ import asyncio
 import gc
 
 import torch
+from starlette.responses import StreamingResponse
 
 from service.routes.prefill import send
 from zen_mla.attention import KernelChoice
@@ -35,3 +36,17 @@ def test_memory_returns_only_after_the_last_chunk_is_dropped():
     del held
     gc.collect()
     assert cache.get(8 << 20) is buf, "returned once nothing refers to it"
+
+
+def test_a_small_answer_is_one_response_and_its_memory_returns_at_once():
+    cache = BufferCache(1 << 30)
+    buf = cache.get(64 << 10)
+    out = buf.tensor(0, (8, 16, 128), torch.bfloat16)
+    out.copy_(torch.randn(8, 16, 128))
+    pool_result = PoolResult(out, None, "torch", buf, cache)
+    response = send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
+    assert not isinstance(response, StreamingResponse)
+    assert cache.get(64 << 10) is buf, "a small answer's memory is copied out and released"
+    header = int.from_bytes(response.body[:8], "little")
+    assert response.body[8 + header :] == out.view(torch.uint8).numpy().tobytes()
+    assert int(response.headers["content-length"]) == len(response.body)

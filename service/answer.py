@@ -1,0 +1,75 @@
+"""An answer's bytes from the shared memory the workers wrote: streamed from there without a
+copy, the memory going back to the pool once nothing refers to it, or one plain response when
+small."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi.responses import Response, StreamingResponse
+
+from zen_mla.engine import PrefillResult
+
+__all__ = ["SEND_CHUNK", "SMALL_ANSWER", "stream"]
+
+SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
+SMALL_ANSWER = 64 << 10  # bytes: an answer this small is sent as one plain response
+
+
+def stream(
+    head: bytes,
+    chunks: Sequence[memoryview],
+    result: PrefillResult,
+    media_type: str,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """`head`, then `chunks` (views of the shared memory the workers wrote), without a copy.
+
+    The memory goes back to the pool only when nothing refers to it any more: the transport
+    (uvloop) may keep a chunk it could not write at once and send it after the app is done, so
+    release waits for the arrays behind the chunks to be collected, not for the last yield.
+    An answer of `SMALL_ANSWER` bytes or fewer is copied into one plain response and its
+    memory released at once: streaming costs a task and a write per part (a 1-token answer
+    over TCP: 3-13 % more a call, measured on Zen 5).
+    """
+    pending = list(chunks)
+    length = len(head) + sum(c.nbytes for c in pending)
+    if length <= SMALL_ANSWER:
+        whole = b"".join([head, *pending])
+        result.release()
+        return Response(whole, media_type=media_type, headers=headers)
+    _release_when_collected(result, [c.obj for c in pending if c.nbytes])
+
+    async def body() -> AsyncIterator[bytes | memoryview]:
+        yield head
+        while pending:
+            chunk = pending.pop(0)
+            for i in range(0, chunk.nbytes, SEND_CHUNK):
+                yield chunk[i : i + SEND_CHUNK]
+            del chunk
+
+    return StreamingResponse(
+        body(),
+        media_type=media_type,
+        headers={"Content-Length": str(length)} | (headers or {}),
+    )
+
+
+def _release_when_collected(result: PrefillResult, exporters: list[object]) -> None:
+    if not exporters:
+        result.release()
+        return
+    left = [len(exporters)]
+    lock = threading.Lock()
+
+    def one_gone() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            result.release()
+
+    for obj in exporters:
+        weakref.finalize(obj, one_gone)
