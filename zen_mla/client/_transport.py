@@ -133,9 +133,8 @@ def read_body(answer: httpx.Response, body: Body, timeout: float | None) -> None
     """The answer's body into `body`, until it has all it wants. What httpx holds already comes
     through httpx; the rest of an answer of `DIRECT_MIN` bytes or more is read from the socket
     straight into `body`'s buffer (no joins, no copies: h11 would copy each byte twice more) when
-    the socket is one of `DeadlineTransport`'s, plain, and the answer framed by its length
-    alone; each read waits
-    at most `timeout`, cut to what the call has left."""
+    the socket is one of `DeadlineTransport`'s, plain, and the answer framed by its length alone;
+    each read waits at most `timeout`, cut to what the call has left."""
     stream = answer.extensions.get("network_stream")
     sock = stream.plain_socket() if isinstance(stream, _DeadlineStream) else None
     # framed by its Content-Length alone: with a Transfer-Encoding too, h11 reads it chunked
