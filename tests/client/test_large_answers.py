@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -244,3 +245,46 @@ def test_a_client_reuses_the_memory_of_a_dropped_result(kind):
     first, second, third = addresses
     assert second != first, "the memory of a result still held was handed out again"
     assert third == first, "the memory of a dropped result is reused"
+
+
+def test_a_large_answer_is_asked_with_connection_close():
+    """Its connection cannot serve another request once read past httpx: the service is asked
+    to close it (its TIME_WAIT is then the service's, not one of this host's ports each call).
+    A small answer keeps the connection; so does every answer through a transport of the
+    caller's own (read through httpx)."""
+    big, small = big_answer(), {"out": torch.zeros(1, H, DV, dtype=torch.bfloat16)}
+
+    def answer(request: Request, conn: socket.socket, stop: threading.Event) -> None:
+        large = len(request.body) > 1 << 20  # the big batch's request
+        conn.sendall(response(200, safetensors_body(big if large else small)))
+
+    q, k, v, cu = big_batch()
+    one = (q[:1], k[:1], v[:1], torch.tensor([0, 1], dtype=torch.int32))
+    with FakeServer(answer) as server:
+        for transport in (None, httpx.HTTPTransport()):
+            with PrefillClient(server.url, transport=transport, **OPTIONS) as client:
+                assert torch.equal(bounded(lambda: client.prefill(q, k, v, cu)), big["out"])
+                assert torch.equal(bounded(lambda: client.prefill(*one)), small["out"])
+    asked = [r.headers.get("connection") for r in server.requests]
+    assert asked == ["close", "keep-alive", "keep-alive", "keep-alive"], asked
+
+
+def test_a_service_that_says_it_closes_and_does_not_is_not_waited_for():
+    """After a large answer the client waits for the service's end of the connection (it said
+    `Connection: close`), briefly: a service that keeps it open costs the call no more."""
+    want = big_answer()
+
+    def answer(request: Request, conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(response(200, safetensors_body(want)))  # says Connection: close
+        stop.wait(5)  # and keeps the connection open
+
+    q, k, v, cu = big_batch()
+    with (
+        FakeServer(answer) as server,
+        PrefillClient(server.url, **OPTIONS) as client,
+    ):
+        t0 = time.monotonic()
+        got = bounded(lambda: client.prefill(q, k, v, cu))
+        took = time.monotonic() - t0
+    assert torch.equal(got, want["out"])
+    assert took < 1.0, took

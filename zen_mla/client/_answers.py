@@ -201,10 +201,14 @@ class Outputs:
         return "lse" in self.want
 
     @property
+    def tensor_bytes(self) -> int:
+        """The bytes of the answer's tensors."""
+        return sum(math.prod(s) * BY_SAFETENSORS[d].torch.itemsize for s, d in self.want.values())
+
+    @property
     def max_answer(self) -> int:
         """The most bytes a safetensors answer can take: the header cap and the tensors."""
-        data = sum(math.prod(s) * BY_SAFETENSORS[d].torch.itemsize for s, d in self.want.values())
-        return 8 + wire.MAX_HEADER_BYTES + data
+        return 8 + wire.MAX_HEADER_BYTES + self.tensor_bytes
 
     def check(self, got: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
         if set(got) != set(self.want):

@@ -15,7 +15,7 @@ from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillResult, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
-from ._transport import DeadlineTransport, read_body, sync_call
+from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
 
 __all__ = ["PrefillClient"]
 
@@ -49,6 +49,8 @@ class PrefillClient(BaseClient):
             httpx.Client(base_url=u, timeout=timeout, transport=transport or DeadlineTransport(uds))
             for u in self._urls
         ]
+        # per endpoint: whether a large answer is read straight from the socket (`read_body`)
+        self._direct = [transport is None and http.base_url.scheme == "http" for http in self._http]
         self._regions_lock = threading.Lock()  # guards self._regions
 
     def regions(self, i: int = 0) -> RegionSet | None:
@@ -119,7 +121,12 @@ class PrefillClient(BaseClient):
         content: Any = iter(x.content) if isinstance(x.content, list) else x.content
         http = self._http[i]
         memory = self._answer_memory if x.tensors else None
-        with http.stream(x.method, x.path, content=content, headers=x.headers) as answer:
+        headers = x.headers
+        if self._direct[i] and x.tensors >= DIRECT_MIN:
+            # read past httpx, the connection cannot serve another request: the service closes
+            # it, so that its TIME_WAIT is the service's and not one of this host's ports each
+            headers = (headers or {}) | {"Connection": "close"}
+        with http.stream(x.method, x.path, content=content, headers=headers) as answer:
             body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check, memory)
             if body.wanted:
                 read_body(answer, body, http.timeout.read)

@@ -22,6 +22,7 @@ __all__ = ["DIRECT_MIN", "DeadlineTransport", "read_body", "sync_call"]
 # a new one costs a connect, ~0.1 ms on loopback, against 20+ ms for such an answer).
 DIRECT_MIN = 1 << 20
 _READ_PART = 4 << 20  # bytes asked of one recv_into
+_FIN_WAIT = 0.05  # seconds, at most, for the service's end of a connection it said it closes
 
 # The calling thread's call (PrefillClient sets it for the call's length): its sockets' reads
 # and writes wait at most what the call has left.
@@ -163,3 +164,9 @@ def read_body(answer: httpx.Response, body: Body, timeout: float | None) -> None
         raise httpx.ReadTimeout(f"reading the answer: {exc}") from exc
     except OSError as exc:
         raise httpx.ReadError(f"reading the answer: {exc}") from exc
+    if answer.headers.get("connection", "").lower() == "close":
+        # the service closes first (it said so): its end comes right after the answer, and
+        # waiting for it leaves the TIME_WAIT to the service rather than to a port of this host
+        with contextlib.suppress(OSError):
+            sock.settimeout(_FIN_WAIT)
+            sock.recv(1)
