@@ -164,9 +164,13 @@ def read_body(answer: httpx.Response, body: Body, timeout: float | None) -> None
         raise httpx.ReadTimeout(f"reading the answer: {exc}") from exc
     except OSError as exc:
         raise httpx.ReadError(f"reading the answer: {exc}") from exc
-    if answer.headers.get("connection", "").lower() == "close":
+    deadline = _CALL_DEADLINE.get()
+    remaining = None if deadline is None else deadline.remaining()
+    left = _FIN_WAIT if remaining is None else min(_FIN_WAIT, remaining)
+    if answer.headers.get("connection", "").lower() == "close" and left > 0:
         # the service closes first (it said so): its end comes right after the answer, and
-        # waiting for it leaves the TIME_WAIT to the service rather than to a port of this host
+        # waiting for it (within the call's time) leaves the TIME_WAIT to the service rather
+        # than to a port of this host
         with contextlib.suppress(OSError):
-            sock.settimeout(_FIN_WAIT)
+            sock.settimeout(left)
             sock.recv(1)
