@@ -2,7 +2,8 @@
 
 uvloop keeps (by reference) the chunks it could not write at once and sends them after the app
 has handed over the last one; reusing the memory at that point sent another request's numbers
-(seen under load: bench/load.py counted 2-5 wrong answers in 20 s before this was fixed)."""
+(seen under load: bench/load.py counted 2-5 wrong answers in 20 s before this was fixed). A
+small answer is copied into one plain response, and its memory is back at once."""
 
 from __future__ import annotations
 
@@ -10,22 +11,32 @@ import asyncio
 import gc
 
 import torch
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from service.routes.prefill import send
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 from zen_mla.pool import PoolResult
-from zen_mla.pool._shm import BufferCache
+from zen_mla.pool._shm import BufferCache, SharedBuffer
+
+
+def sent(
+    cache: BufferCache, nbytes: int, shape: tuple[int, int, int]
+) -> tuple[SharedBuffer, torch.Tensor, Response]:
+    """A buffer of `nbytes` from `cache`, a random bf16 `out` of `shape` in it, and the answer
+    `send` makes of it."""
+    buf = cache.get(nbytes)
+    out = buf.tensor(0, shape, torch.bfloat16)
+    out.copy_(torch.randn(*shape))
+    pool_result = PoolResult(out, None, "torch", buf, cache)
+    response = send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
+    return buf, out, response
 
 
 def test_memory_returns_only_after_the_last_chunk_is_dropped():
     cache = BufferCache(1 << 30)
-    buf = cache.get(8 << 20)
-    out = buf.tensor(0, (4096, 8, 128), torch.bfloat16)
-    out.copy_(torch.randn(4096, 8, 128))
-    pool_result = PoolResult(out, None, "torch", buf, cache)
-    response = send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
+    buf, _, response = sent(cache, 8 << 20, (4096, 8, 128))
+    assert isinstance(response, StreamingResponse)
 
     async def drain() -> list[object]:
         return [chunk async for chunk in response.body_iterator]
@@ -40,11 +51,7 @@ def test_memory_returns_only_after_the_last_chunk_is_dropped():
 
 def test_a_small_answer_is_one_response_and_its_memory_returns_at_once():
     cache = BufferCache(1 << 30)
-    buf = cache.get(64 << 10)
-    out = buf.tensor(0, (8, 16, 128), torch.bfloat16)
-    out.copy_(torch.randn(8, 16, 128))
-    pool_result = PoolResult(out, None, "torch", buf, cache)
-    response = send(PrefillResult(out, None, KernelChoice("torch", None), pool_result), None)
+    buf, out, response = sent(cache, 64 << 10, (8, 16, 128))
     assert not isinstance(response, StreamingResponse)
     assert cache.get(64 << 10) is buf, "a small answer's memory is copied out and released"
     header = int.from_bytes(response.body[:8], "little")
