@@ -32,11 +32,11 @@ def test_the_memory_is_kept_for_the_next_batch():
 
 def test_a_v_over_the_bound_is_padded_in_fresh_memory(monkeypatch):
     monkeypatch.setattr(padding, "KEEP_BYTES", 1 << 10)
-    monkeypatch.setattr(padding, "_kept", [])
+    monkeypatch.setattr(padding, "_kept", padding._KeptBuffer())
     v = torch.randn(64, 4, 128, dtype=torch.bfloat16)
     with padded(v, 192) as got:
         assert torch.equal(got, torch.nn.functional.pad(v, (0, 64)))
-    assert padding._kept == []
+    assert padding._kept.buf is None
 
 
 def test_padded_under_inference_mode_can_require_grad():
@@ -49,7 +49,7 @@ def test_padded_under_inference_mode_can_require_grad():
 
 
 def test_a_v_over_the_bound_leaves_the_kept_memory_kept(monkeypatch):
-    monkeypatch.setattr(padding, "_kept", [])
+    monkeypatch.setattr(padding, "_kept", padding._KeptBuffer())
     small = torch.randn(8, 4, 128, dtype=torch.bfloat16)
     with padded(small, 192) as got:
         address = got.data_ptr()

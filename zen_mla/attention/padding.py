@@ -18,8 +18,31 @@ __all__ = ["KEEP_BYTES", "padded"]
 
 KEEP_BYTES = 256 << 20  # the most a process keeps between batches
 
-_lock = threading.Lock()
-_kept: list[torch.Tensor] = []  # one flat buffer at most, made outside inference mode
+
+class _KeptBuffer:
+    """The one flat buffer a process keeps between batches (made outside inference mode)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.buf: torch.Tensor | None = None
+
+    def take(self, size: int) -> torch.Tensor | None:
+        """The kept buffer, when it is free and holds `size` bytes (it is in use until `give`)."""
+        with self._lock:
+            buf = self.buf
+            if buf is None or buf.numel() < size:
+                return None
+            self.buf = None
+            return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep `buf`: the larger, when two threads padded at once."""
+        with self._lock:
+            if self.buf is None or self.buf.numel() < buf.numel():
+                self.buf = buf
+
+
+_kept = _KeptBuffer()
 
 
 @contextmanager
@@ -29,10 +52,8 @@ def padded(v: torch.Tensor, head_dim: int) -> Iterator[torch.Tensor]:
     padded tensor is not an inference tensor (zentorch's LSE route needs one that can require
     grad). Nothing may keep it past the block."""
     t, h, dv = v.shape
-    n = t * h * head_dim
-    size = n * v.element_size()
-    with _lock:
-        buf = _kept.pop() if _kept and _kept[0].numel() >= size else None
+    size = t * h * head_dim * v.element_size()
+    buf = _kept.take(size)
     if buf is None and size <= KEEP_BYTES:
         buf = _new(size)  # kept in place of a smaller one
     try:
@@ -46,8 +67,7 @@ def padded(v: torch.Tensor, head_dim: int) -> Iterator[torch.Tensor]:
         yield out
     finally:
         if buf is not None:
-            with _lock:  # one buffer kept: the larger, when two threads padded at once
-                _kept[:] = [max([*_kept, buf], key=lambda b: b.numel())]
+            _kept.give(buf)
 
 
 def _new(size: int) -> torch.Tensor:
