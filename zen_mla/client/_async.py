@@ -160,7 +160,7 @@ class AsyncPrefillClient(BaseClient):
     async def aclose(self) -> None:
         for http in self._http:
             await http.aclose()
-        self._close_regions()
+        self._close_memory()
 
     async def __aenter__(self) -> AsyncPrefillClient:
         return self

@@ -388,7 +388,7 @@ class BaseClient:
             return None
         return RegionSet(client)
 
-    def _close_regions(self) -> None:
+    def _close_memory(self) -> None:
         """The regions closed, and no answer memory kept any more."""
         self._answer_memory.close()
         for regions in self._regions.values():

@@ -142,7 +142,7 @@ class PrefillClient(BaseClient):
     def close(self) -> None:
         for http in self._http:
             http.close()
-        self._close_regions()
+        self._close_memory()
 
     def __enter__(self) -> PrefillClient:
         return self
