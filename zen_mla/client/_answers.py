@@ -13,6 +13,7 @@ import httpx
 import torch
 
 from .. import errors, wire
+from ..copying import copied, copy_into
 from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolError, ZenMLAError
 from ..regions.client import Layout
 from ..wire import regions_json
@@ -275,10 +276,11 @@ def answered(
 
 
 def _copied(t: torch.Tensor, device: torch.device, memory: AnswerMemory | None) -> torch.Tensor:
-    if memory is None or device.type != "cpu" or t.nbytes < MIN_BYTES:
+    if device.type != "cpu":
         return t.to(device, copy=True)
-    kept = torch.frombuffer(memory.take(t.nbytes), dtype=t.dtype).view(t.shape)
-    return kept.copy_(t)
+    if memory is None or t.nbytes < MIN_BYTES:
+        return copied(t)
+    return copy_into(torch.frombuffer(memory.take(t.nbytes), dtype=t.dtype).view(t.shape), t)
 
 
 def health_json(status: int, body: Bytes) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..copying import copy_into
 from ..errors import (
     BY_STATUS,
     DeadlineExceededError,
@@ -276,7 +277,7 @@ class RegionSet:
             places = {n: p for n, p in found.items() if p is not None}
             offset = 0
             for name, t in moved.items():
-                region.tensor(offset, t.shape, t.dtype).copy_(t)  # the one copy (also from CUDA)
+                copy_into(region.tensor(offset, t.shape, t.dtype), t)  # the one copy (CUDA too)
                 places[name] = region.place(offset, t)
                 offset += sizes[name]
             out = region.tensor(offset, out_shape, v.dtype)

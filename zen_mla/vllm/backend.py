@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Protocol, cast
 import torch
 
 from ..client import PrefillClient
+from ..copying import copy_into
 from ..errors import InvalidInputError
 from ..wire import PrefillOptions
 from .context import ContextKV, call, check_out, lse_of, pool, prefill_with_context
@@ -161,7 +162,7 @@ class RemotePrefillBackend:
             PrefillOptions(causal=True, return_lse=return_softmax_lse, scale=self.scale),
         )
         if out is not None:
-            out.copy_(result)
+            copy_into(out, result)
             result = out
         return (result, lse_of(lse)) if return_softmax_lse else result
 
@@ -192,7 +193,7 @@ class RemotePrefillBackend:
             PrefillOptions(causal=False, return_lse=True, scale=self.scale),
         )
         if out is not None:
-            out.copy_(result)
+            copy_into(out, result)
             result = out
         return result, lse_of(lse)
 

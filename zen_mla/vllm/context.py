@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ..attention.merge import merge_many
+from ..copying import copy_into
 from ..errors import InvalidInputError, KernelError
 from ..wire import PrefillOptions
 from .settings import DEFAULT_CONCURRENCY
@@ -184,7 +185,7 @@ def prefill_with_context(
             PrefillOptions(causal=True, return_lse=return_lse, scale=scale),
         )
         if out is not None:
-            out.copy_(new_out)
+            copy_into(out, new_out)
             new_out = out
         return (new_out, lse_of(new_lse)) if return_lse else new_out
 

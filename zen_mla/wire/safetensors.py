@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..copying import copied
 from ..errors import InvalidInputError, WireFormatError
 from .dtypes import BY_SAFETENSORS, BY_TORCH
 
@@ -243,7 +244,7 @@ def options_metadata(
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """`t`'s bytes, row-major; for a contiguous CPU tensor a view of its storage, no copy."""
-    flat = t.contiguous().reshape(-1)
+    flat = (t if t.is_contiguous() else copied(t)).reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy().data)
