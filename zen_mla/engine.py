@@ -124,7 +124,7 @@ class PrefillJob:
         task abandons the work too."""
         try:
             async with asyncio.timeout(timeout):
-                return self._wrap(await asyncio.wrap_future(self._job.future))
+                return self._wrap(await self._job.settled_in(asyncio.get_running_loop()))
         except TimeoutError:
             self._job.cancel()
             raise DeadlineExceededError(

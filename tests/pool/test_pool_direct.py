@@ -228,3 +228,64 @@ def test_out_of_descriptors_the_task_is_queued_and_the_worker_kept(pool):
     assert finished_in and finished_in[0] != threading.main_thread().name  # the thread ran it
     assert [(w["pid"], w["restarts"]) for w in pool.workers()] == before
     assert pool.workers()[0]["state"] == "idle"
+
+
+def test_settled_in_the_loop_at_once_or_through_it_from_another_thread(pool):
+    """A direct run's job settles its loop future in the loop's own thread, with no hand-over
+    through the loop's wake-up pipe; a job queued to the dispatcher thread (a `loop`-less
+    submit) settles it through `call_soon_threadsafe`; either way the result is the job's,
+    and a failure its exception."""
+    tensors = _small(4)
+    expected = zen_mla.ragged_attention(*tensors)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        handed: list[object] = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            handed.append(callback)
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        direct = _submit(pool, tensors, loop)
+        result = await direct.settled_in(loop)
+        assert torch.equal(result.out, expected)
+        result.release()
+        assert handed == []
+
+        queued = _submit(pool, tensors, None)
+        result = await queued.settled_in(loop)
+        assert torch.equal(result.out, expected)
+        result.release()
+        assert len(handed) == 1
+
+        batch = validate(*tensors, None, causal=True, scale=None)
+        failing = pool.submit_batch(batch, "no-such-kernel", return_lse=False, loop=loop)
+        with pytest.raises(zen_mla.KernelError, match="no-such-kernel"):
+            await failing.settled_in(loop)
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_loop_future_cancels_the_job(pool):
+    """As an awaiting task cancelled: the job is cancelled, its worker stopped and replaced,
+    and the next call runs."""
+    restarts = pool.workers()[0]["restarts"]
+    tensors = _small(5)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        job = _submit(pool, _slow(), loop, kernel="reference", causal=False)
+        settled = job.settled_in(loop)
+        await _busy(pool)
+        settled.cancel()
+        await asyncio.sleep(0)  # a future's callbacks run on the loop's next turn
+        assert job.cancelled
+        nxt = _submit(pool, tensors, loop)  # queued behind the replacement
+        result = await asyncio.wait_for(nxt.settled_in(loop), 120)
+        assert torch.equal(result.out, zen_mla.ragged_attention(*tensors))
+        result.release()
+
+    asyncio.run(main())
+    assert pool.workers()[0]["restarts"] == restarts + 1

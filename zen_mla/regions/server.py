@@ -66,6 +66,7 @@ class _Client:
     regions: dict[str, Region] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None  # the hello deadline, then each frame's
     gone: asyncio.Future[None] | None = None  # while a call runs: resolves when the client ends
+    paused: bool = False  # not watched for reading: a next frame came while a call ran
 
 
 class RegionServer:
@@ -186,7 +187,11 @@ class RegionServer:
             self._loop.add_reader(self._listener.fileno(), self._accept)
 
     def _readable(self, client: _Client) -> None:
-        """One read, never past the frame being read: a frame's bytes, and its descriptor."""
+        """One read, never past the frame being read: a frame's bytes, and its descriptor.
+        While a call runs, only a look for the connection's end (`_watch`)."""
+        if client.gone is not None:
+            self._watch(client)
+            return
         try:
             data, ancdata, flags, _ = client.sock.recvmsg(client.reader.wanted(), _CMSG_SPACE)
         except (BlockingIOError, InterruptedError):
@@ -298,9 +303,7 @@ class RegionServer:
         """Run a call: the connection is not read until its reply is sent, only watched for
         its end."""
         assert self._loop is not None
-        client.gone = self._loop.create_future()
-        self._loop.remove_reader(client.sock.fileno())
-        self._loop.add_reader(client.sock.fileno(), self._watch, client)
+        client.gone = self._loop.create_future()  # `_readable` only watches from now on
         task = self._loop.create_task(self._answer(client, message, calls, client.gone))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -322,10 +325,10 @@ class RegionServer:
         client.gone = None
         if not gone.done():
             gone.cancel()
-        assert self._loop is not None
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(client.sock.fileno())
-        self._loop.add_reader(client.sock.fileno(), self._readable, client)
+        if client.paused:
+            assert self._loop is not None
+            client.paused = False
+            self._loop.add_reader(client.sock.fileno(), self._readable, client)
         self._send(client, reply)
 
     def _watch(self, client: _Client) -> None:
@@ -341,6 +344,7 @@ class RegionServer:
             self._drop(client)
         elif self._loop is not None:
             self._loop.remove_reader(client.sock.fileno())
+            client.paused = True
 
     def _expire(self, client: _Client, why: str) -> None:
         client.timer = None
