@@ -7,23 +7,27 @@ import pytest
 import torch
 
 from zen_mla import copying
-from zen_mla.copying import SMALL_COPY_BYTES, copied, copy_into
+from zen_mla.copying import SMALL_COPY_BYTES, TORCH_GRAIN, copied, copy_into
+
+_BIG = TORCH_GRAIN * 2  # elements: over the grain, well within the bound
 
 
 def _sources() -> dict[str, torch.Tensor]:
+    """Tensors over torch's grain (copied on this thread), and two under it (through copy_)."""
     g = torch.Generator().manual_seed(0)
-    kv = torch.randn(64, 4, 256, generator=g).bfloat16()
+    kv = torch.randn(128, 16, 256, generator=g).bfloat16()
     return {
-        "contiguous bf16": torch.randn(64, 4, 192, generator=g).bfloat16(),
+        "contiguous bf16": torch.randn(128, 16, 192, generator=g).bfloat16(),
         "split view (vLLM's v)": kv[..., 128:],
-        "transposed fp32": torch.randn(4, 64, generator=g).t(),
-        "expanded (zero stride)": torch.randn(64, 1, 64, generator=g).half().expand(64, 4, 64),
-        "int32 offsets": torch.tensor([0, 3, 9, 64], dtype=torch.int32),
-        "int64 offsets": torch.tensor([0, 5, 64], dtype=torch.int64),
-        "bool": torch.rand(33, generator=g) > 0.5,
-        "empty": torch.empty(0, 4, 128, dtype=torch.bfloat16),
+        "transposed fp32": torch.randn(64, 1024, generator=g).t(),
+        "expanded (zero stride)": torch.randn(128, 1, 64, generator=g).half().expand(128, 16, 64),
+        "int32": torch.randint(0, 1 << 30, (40000,), generator=g, dtype=torch.int32),
+        "int64": torch.randint(0, 1 << 60, (40000,), generator=g, dtype=torch.int64),
+        "bool": torch.rand(40000, generator=g) > 0.5,
         "inference tensor": _inference(kv),
-        "requires grad": torch.randn(8, 8, generator=g, requires_grad=True),
+        "requires grad": torch.randn(200, 200, generator=g, requires_grad=True),
+        "offsets (under the grain)": torch.tensor([0, 3, 9, 64], dtype=torch.int32),
+        "empty": torch.empty(0, 4, 128, dtype=torch.bfloat16),
     }
 
 
@@ -66,22 +70,27 @@ class _Spy:
         monkeypatch.setattr(torch.Tensor, "copy_", spy)
 
 
-def test_small_copies_stay_off_torch_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", [TORCH_GRAIN + 1, SMALL_COPY_BYTES // 4])  # fp32: 4 bytes each
+def test_copies_over_the_grain_and_within_the_bound_stay_off_copy_(
+    monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
     spy = _Spy(monkeypatch)
-    src = torch.randn(SMALL_COPY_BYTES // 4)  # exactly the bound
-    copy_into(torch.empty_like(src), src)
+    src = torch.randn(n)
+    dst = copy_into(torch.empty_like(src), src)
     assert spy.calls == 0
+    assert torch.equal(dst, src)
 
 
 @pytest.mark.parametrize(
     "dst, src",
     [
+        (torch.empty(TORCH_GRAIN), torch.randn(TORCH_GRAIN)),
         (torch.empty(SMALL_COPY_BYTES // 4 + 1), torch.randn(SMALL_COPY_BYTES // 4 + 1)),
-        (torch.empty(16, dtype=torch.float32), torch.randn(16).half()),  # a conversion
-        (torch.empty(4, 16), torch.randn(16)),  # a broadcast
-        (torch.empty(8, dtype=torch.complex64), torch.randn(8, dtype=torch.complex64).conj()),
+        (torch.empty(_BIG, dtype=torch.float32), torch.randn(_BIG).half()),  # a conversion
+        (torch.empty(4, _BIG), torch.randn(_BIG)),  # a broadcast
+        (torch.empty(_BIG, dtype=torch.complex64), torch.randn(_BIG, dtype=torch.complex64).conj()),
     ],
-    ids=["over the bound", "other dtype", "broadcast", "conjugate view"],
+    ids=["at the grain", "over the bound", "other dtype", "broadcast", "conjugate view"],
 )
 def test_other_copies_go_through_torch(
     monkeypatch: pytest.MonkeyPatch, dst: torch.Tensor, src: torch.Tensor
@@ -96,6 +105,6 @@ def test_other_copies_go_through_torch(
 def test_the_bound_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copying, "SMALL_COPY_BYTES", 0)
     spy = _Spy(monkeypatch)
-    src = torch.randn(4)
-    copy_into(torch.empty(4), src)
+    src = torch.randn(_BIG)
+    copy_into(torch.empty(_BIG), src)
     assert spy.calls == 1
