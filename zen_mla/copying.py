@@ -8,11 +8,12 @@ compute on. Measured on a Zen 5 KVM guest (2 threads): with PASSIVE, 32,768 bf16
 in 1.6 us, 32,769 in 50 us, 1 MiB in 0.064 ms against 0.023 on one thread; with OpenMP's
 default, a 64-token call through the region socket took 7.4 ms with its copies through `copy_`
 and 1.3 ms with them here (`bench/copies.py`). So the client's copies into its regions and out
-of them run here, as numpy copies (which never start threads), up to `SMALL_COPY_BYTES`: a
-layer's call of up to ~2,800 tokens (H=16, Dqk=192). Copies torch keeps on one thread anyway
-(32,768 elements or fewer, where numpy's ~4 us of setup would cost more), larger ones (where
-a large host's thread team copies far faster than one core) and any involving another device
-go through `copy_`.
+of them run here, as numpy copies (which never start threads), up to `SMALL_COPY_BYTES`: the
+tensors of a layer's call of up to ~340 tokens (H=16, Dqk=192). Copies torch keeps on one
+thread anyway (32,768 elements or fewer, where numpy's ~4 us of setup would cost more), larger
+ones (where two threads already copied faster here, out of memory the cache no longer held: a
+16 MiB bound cost the `mixed` batch's copies 4.8 ms more, `bench/e2e.py`) and any involving
+another device go through `copy_`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 __all__ = ["SMALL_COPY_BYTES", "TORCH_GRAIN", "copied", "copy_into"]
 
 #: the largest copy made on the calling thread; over it, a thread team's bandwidth pays
-SMALL_COPY_BYTES = 16 << 20
+SMALL_COPY_BYTES = 2 << 20
 #: the most elements `copy_` copies without starting its thread team (`at::internal::GRAIN_SIZE`)
 TORCH_GRAIN = 32768
 #: an integer dtype of each element size, to see any tensor's bytes as numpy sees integers
