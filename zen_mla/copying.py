@@ -6,14 +6,14 @@ have gone to sleep, and waking them costs more than a small copy itself; and unl
 set `OMP_WAIT_POLICY=PASSIVE`, they spin after each copy on the cores the service's workers
 compute on. Measured on a Zen 5 KVM guest (2 threads): with PASSIVE, 32,768 bf16 elements copy
 in 1.6 us, 32,769 in 50 us, 1 MiB in 0.064 ms against 0.023 on one thread; with OpenMP's
-default, a 64-token call through the region socket took 7.4 ms with its copies through `copy_`
-and 1.3 ms with them here (`bench/copies.py`). So the client's copies into its regions and out
-of them run here, as numpy copies (which never start threads), up to `SMALL_COPY_BYTES`: the
-tensors of a layer's call of up to ~340 tokens (H=16, Dqk=192). Copies torch keeps on one
-thread anyway (32,768 elements or fewer, where numpy's ~4 us of setup would cost more), larger
-ones (where two threads already copied faster here, out of memory the cache no longer held: a
-16 MiB bound cost the `mixed` batch's copies 4.8 ms more, `bench/e2e.py`) and any involving
-another device go through `copy_`.
+default, a 64-token call through the region socket took 7.4-8.0 ms with its copies through
+`copy_` and 1.2-1.3 ms with them here (`bench/copies.py`). So the client's copies into its
+regions and out of them run here, as numpy copies (which never start threads), up to
+`SMALL_COPY_BYTES`: the tensors of a layer's call of up to ~340 tokens (H=16, Dqk=192). Copies
+torch keeps on one thread anyway (32,768 elements or fewer, where numpy's ~4 us of setup would
+cost more), larger ones (where two threads already copied faster here, out of memory the cache
+no longer held: a 16 MiB bound cost the `mixed` batch's copies 4.8 ms more, `bench/e2e.py`)
+and any involving another device go through `copy_`.
 """
 
 from __future__ import annotations
