@@ -300,10 +300,9 @@ class RegionServer:
         }
 
     def _call(self, client: _Client, message: dict[str, Any], calls: Calls) -> None:
-        """Run a call: the connection is not read until its reply is sent, only watched for
-        its end."""
+        """Run a call: until its reply is sent, `_readable` only watches for the end."""
         assert self._loop is not None
-        client.gone = self._loop.create_future()  # `_readable` only watches from now on
+        client.gone = self._loop.create_future()
         task = self._loop.create_task(self._answer(client, message, calls, client.gone))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
