@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zen_mla import InvalidInputError, WireFormatError
+from zen_mla.wire import RESPONSE_TENSORS
 from zen_mla.wire import regions_json as rr
 
 NAMES = rr.REQUEST_NAMES
@@ -76,3 +77,33 @@ def test_any_json_decodes_or_is_our_value_error(raw):
         assert isinstance(exc, InvalidInputError | WireFormatError)
         return
     assert set(message.places) <= NAMES
+
+
+def _body(offset: int) -> bytes:
+    place = rr.TensorPlace("h1", offset, "BF16", (4, 16, 192))
+    return rr.encode({"q": place}, {"causal": "true"})
+
+
+def test_a_body_read_again_is_the_same_answer_in_dicts_of_its_own():
+    first = rr.decode(_body(0), rr.REQUEST_NAMES)
+    first.places.clear()
+    first.metadata["causal"] = "false"
+    again = rr.decode(_body(0), rr.REQUEST_NAMES)
+    assert again.places == {"q": rr.TensorPlace("h1", 0, "BF16", (4, 16, 192))}
+    assert again.metadata == {"causal": "true"}
+    assert rr.decode(_body(64), rr.REQUEST_NAMES).places["q"].offset == 64
+    # the names allowed are part of what is kept: the same body, read as an answer, is refused
+    with pytest.raises(InvalidInputError, match="tensors among"):
+        rr.decode(_body(0), RESPONSE_TENSORS)
+
+
+def test_a_bad_body_is_refused_every_time_and_the_kept_ones_are_bounded():
+    for _ in range(3):
+        with pytest.raises(InvalidInputError, match=r"q\.offset"):
+            rr.decode(
+                b'{"q": {"region": "h", "offset": -1, "dtype": "BF16", "shape": [1]}}',
+                rr.REQUEST_NAMES,
+            )
+    for offset in range(0, 64 * (rr.DECODED_KEPT + 10), 64):
+        rr.decode(_body(offset), rr.REQUEST_NAMES)
+    assert rr._decoded.cache_info().currsize == rr.DECODED_KEPT
