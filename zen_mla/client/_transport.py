@@ -164,13 +164,10 @@ def read_body(answer: httpx.Response, body: Body, timeout: float | None) -> None
         raise httpx.ReadTimeout(f"reading the answer: {exc}") from exc
     except OSError as exc:
         raise httpx.ReadError(f"reading the answer: {exc}") from exc
-    deadline = _CALL_DEADLINE.get()
-    remaining = None if deadline is None else deadline.remaining()
-    left = _FIN_WAIT if remaining is None else min(_FIN_WAIT, remaining)
-    if answer.headers.get("connection", "").lower() == "close" and left > 0:
+    if answer.headers.get("connection", "").lower() == "close":
         # the service closes first (it said so): its end comes right after the answer, and
-        # waiting for it (within the call's time) leaves the TIME_WAIT to the service rather
-        # than to a port of this host
+        # waiting for it (within the call's time: none left is a TimeoutError, an OSError)
+        # leaves the TIME_WAIT to the service rather than to a port of this host
         with contextlib.suppress(OSError):
-            sock.settimeout(left)
+            sock.settimeout(_op_timeout(_FIN_WAIT, TimeoutError))
             sock.recv(1)
