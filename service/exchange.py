@@ -263,7 +263,7 @@ async def compute(
         job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
     else:
         job = run(loop=asyncio.get_running_loop())
-    waiting = asyncio.ensure_future(job.wait(x.remaining(s.deadline_s)))
+    waiting = job.settled(x.remaining(s.deadline_s))  # a future: no task to step through
     watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
     watch: set[asyncio.Future[Any]] = {waiting, watcher}
     await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)

@@ -127,3 +127,59 @@ def test_an_awaited_deadline_stops_the_busy_worker(engine):
     while engine.workers()[0]["restarts"] == before or not engine.ready():
         assert time.monotonic() < deadline, engine.workers()
         time.sleep(0.05)
+
+
+def test_settled_is_the_result_in_the_loop_with_no_task_behind_it(engine):
+    """`settled()` is what `wait()` awaits: a future of the running loop, the result already
+    a PrefillResult (no second future to hop through), and no task made for it."""
+    q, k, v, q_cu, kv_cu = _batch([6, 3], [6, 9])
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        tasks_before = len(asyncio.all_tasks())
+        job = engine.run(
+            engine.prepare(tensors_of(q, k, v, q_cu, kv_cu), PrefillOptions()), loop=loop
+        )
+        settled = job.settled(timeout=60)
+        assert isinstance(settled, asyncio.Future) and not isinstance(settled, asyncio.Task)
+        assert len(asyncio.all_tasks()) == tasks_before
+        result = await settled
+        assert result.kernels == job.kernels
+        assert_close_to_reference(q, k, v, q_cu, kv_cu, True, result.out)
+        result.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_settled_future_past_its_deadline_fails_and_abandons_the_work(engine):
+    """The deadline is a timer on the loop: past it the future fails with
+    DeadlineExceededError and the job is cancelled; a future cancelled by its awaiter cancels
+    the job too."""
+    q, k, v, q_cu, kv_cu = _batch([3000], [3000], dtype=torch.float32)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        slow = submit(engine, q, k, v, q_cu, kv_cu, kernel="reference", causal=False)
+        settled = slow.settled(timeout=0.05)
+        with pytest.raises(zen_mla.DeadlineExceededError, match=r"0\.05 s deadline"):
+            await settled
+        assert slow.done()
+        other = engine.run(
+            engine.prepare(tensors_of(q, k, v, q_cu, kv_cu), PrefillOptions(kernel="reference")),
+            loop=loop,
+        )
+        waiter = asyncio.ensure_future(other.wait(timeout=60))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0)  # the future's callbacks run on the loop's next turn
+        assert other.done()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 120
+    while not engine.ready():
+        assert time.monotonic() < deadline, engine.workers()
+        time.sleep(0.05)
+    assert submit(engine, *_batch([9], [9])).result(timeout=60).out.shape == (9, H, DV)

@@ -122,17 +122,29 @@ class PrefillJob:
     async def wait(self, timeout: float | None = None) -> PrefillResult:
         """`result()` for asyncio: the event loop is never blocked. Cancelling the awaiting
         task abandons the work too."""
-        try:
-            async with asyncio.timeout(timeout):
-                return self._wrap(await self._job.settled_in(asyncio.get_running_loop()))
-        except TimeoutError:
-            self._job.cancel()
-            raise DeadlineExceededError(
+        return await self.settled(timeout)
+
+    def settled(self, timeout: float | None = None) -> asyncio.Future[PrefillResult]:
+        """The result as a future of the running loop, with no task behind it (what `wait()`
+        awaits): past `timeout` it fails with DeadlineExceededError and the work is
+        abandoned; cancelling it abandons the work too. A job run from the loop's thread
+        settles it in the turn of the loop that reads the worker's answer."""
+        loop = asyncio.get_running_loop()
+        settled = self._job.settled_in(loop, self._wrap)
+        if timeout is not None:
+            timer = loop.call_later(max(timeout, 0.0), self._expire, settled, timeout)
+            settled.add_done_callback(lambda _: timer.cancel())
+        return settled
+
+    def _expire(self, settled: asyncio.Future[PrefillResult], timeout: float) -> None:
+        if settled.done():
+            return
+        settled.set_exception(
+            DeadlineExceededError(
                 f"the request ran past its {timeout} s deadline; its work was abandoned"
-            ) from None
-        except asyncio.CancelledError:
-            self._job.cancel()
-            raise
+            )
+        )
+        self._job.cancel()
 
     def _wrap(self, result: PoolResult) -> PrefillResult:
         return PrefillResult(result.out, result.lse, self.kernels, result)

@@ -42,10 +42,10 @@ def _small(seed: int = 0):
     return q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32)
 
 
-def _slow():
-    """Non-causal fp32 reference work of seconds on one core."""
-    x = torch.randn(5000, 4, 128)
-    return x, x, x, torch.tensor([0, 5000])
+def _slow(tokens: int = 5000):
+    """Non-causal fp32 reference work (of seconds on one core at 5000 tokens)."""
+    x = torch.randn(tokens, 4, 128)
+    return x, x, x, torch.tensor([0, tokens])
 
 
 async def _busy(pool: WorkerPool, timeout: float = 30) -> dict:
@@ -254,11 +254,20 @@ def test_settled_in_the_loop_at_once_or_through_it_from_another_thread(pool):
         result.release()
         assert handed == []
 
-        queued = _submit(pool, tensors, None)
+        # tens of ms of work: still running when settled_in is called (a job already done
+        # settles its future there and then, in this thread)
+        medium = _slow(1200)
+        queued = _submit(pool, medium, None, kernel="reference", causal=False)
         result = await queued.settled_in(loop)
-        assert torch.equal(result.out, expected)
+        assert torch.equal(
+            result.out, zen_mla.ragged_attention(*medium, kernel="reference", causal=False)
+        )
         result.release()
         assert len(handed) == 1
+
+        converted = _submit(pool, tensors, loop)  # the caller's type, in the same future
+        out = await converted.settled_in(loop, lambda r: (r.out.clone(), r.release())[0])
+        assert torch.equal(out, expected)
 
         batch = validate(*tensors, None, causal=True, scale=None)
         failing = pool.submit_batch(batch, "no-such-kernel", return_lse=False, loop=loop)

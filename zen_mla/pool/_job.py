@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -19,6 +20,8 @@ from ._messages import TaskSpec
 from ._shm import BufferCache, SharedBuffer
 
 __all__ = ["Outputs", "PoolJob", "PoolResult", "Task", "TaskQueue"]
+
+T = TypeVar("T")
 
 
 class PoolResult:
@@ -73,13 +76,24 @@ class PoolJob:
         job with `cancel()`, which also stops its busy workers."""
         return self._future
 
-    def settled_in(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[PoolResult]:
-        """The outcome as a future of `loop`, whose thread calls this. A job that ends in that
-        thread (run there directly, see `_direct`) settles it at once; one that ends in a
-        dispatcher thread, through `call_soon_threadsafe`, as `asyncio.wrap_future` settles
-        both (a write to the loop's wake-up pipe and one more turn of the loop). Cancelling it
-        cancels the job."""
-        settled: asyncio.Future[PoolResult] = loop.create_future()
+    @overload
+    def settled_in(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[PoolResult]: ...
+
+    @overload
+    def settled_in(
+        self, loop: asyncio.AbstractEventLoop, convert: Callable[[PoolResult], T]
+    ) -> asyncio.Future[T]: ...
+
+    def settled_in(
+        self, loop: asyncio.AbstractEventLoop, convert: Callable[[PoolResult], Any] | None = None
+    ) -> asyncio.Future[Any]:
+        """The outcome as a future of `loop`, whose thread calls this (`convert`ed, where
+        given: the caller's own result type, with no second future to hop through). A job
+        that ends in that thread (run there directly, see `_direct`) settles it at once; one
+        that ends in a dispatcher thread, through `call_soon_threadsafe`, as
+        `asyncio.wrap_future` settles both (a write to the loop's wake-up pipe and one more
+        turn of the loop). Cancelling it cancels the job."""
+        settled: asyncio.Future[Any] = loop.create_future()
         home = threading.get_ident()
 
         def copy(done: Future[PoolResult]) -> None:
@@ -90,7 +104,8 @@ class PoolJob:
             elif (exc := done.exception()) is not None:
                 settled.set_exception(exc)
             else:
-                settled.set_result(done.result())
+                result = done.result()
+                settled.set_result(result if convert is None else convert(result))
 
         def ended(done: Future[PoolResult]) -> None:
             if threading.get_ident() == home:
