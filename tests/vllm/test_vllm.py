@@ -208,6 +208,21 @@ def test_with_it_an_unreachable_service_is_computed_here(nowhere, caplog):
     assert "computing MLA prefill in this process" in outages[0].getMessage()
 
 
+def test_computed_here_the_result_is_written_into_out(nowhere):
+    b = backend(RemoteSettings(urls=nowhere.urls, probe_interval_s=60.0, probe_max_interval_s=60.0))
+    b.prepare_metadata(_Meta())
+    q, k, v = _qkv()
+    out = torch.full((6, 4, 16), float("nan"), dtype=torch.bfloat16)
+    got, lse = b.run_prefill_new_tokens(q, k, v, True, out=out)
+    want_out, want_lse = zen_mla.ragged_attention(
+        q, k, v, _Meta.query_start_loc, return_lse=True, scale=0.25
+    )
+    assert got is out and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out.fill_(float("nan"))
+    assert b.run_prefill_new_tokens(q, k, v, False, out=out) is out
+    assert torch.equal(out, want_out)
+
+
 def test_a_context_chunk_is_computed_here_too(nowhere):
     b = backend(RemoteSettings(urls=nowhere.urls, probe_interval_s=60.0, probe_max_interval_s=60.0))
     b.prepare_metadata(_Meta())

@@ -182,20 +182,33 @@ def _raised(status: int, found: Mapping[str, Any], retry_after: object) -> ZenML
 @dataclass(frozen=True, slots=True)
 class Outputs:
     """What the answer to a request must hold, by name: (shape, dtype as safetensors names it).
-    `out` [Tq, H, Dv] in v's dtype; `lse` [H, Tq] float32, only when asked."""
+    `out` [Tq, H, Dv] in v's dtype; `lse` [H, Tq] float32, only when asked. `into`: the
+    caller's tensor that `out` is written to (`prefill(out=)`), else None."""
 
     want: dict[str, tuple[tuple[int, ...], str]]
+    into: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor], return_lse: bool) -> Outputs:
+    def of(
+        cls, tensors: Mapping[str, torch.Tensor], return_lse: bool, out: torch.Tensor | None = None
+    ) -> Outputs:
+        """InvalidInputError naming `out` when one is given that cannot hold the result."""
         q, v = tensors["q"], tensors["v"]
         tq, heads = int(q.shape[0]), int(q.shape[1])
+        shape = (tq, heads, int(v.shape[2]))
         want: dict[str, tuple[tuple[int, ...], str]] = {
-            "out": ((tq, heads, int(v.shape[2])), BY_TORCH[v.dtype].safetensors)
+            "out": (shape, BY_TORCH[v.dtype].safetensors)
         }
         if return_lse:
             want["lse"] = ((heads, tq), "F32")
-        return cls(want)
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise InvalidInputError("out", "a torch.Tensor", type(out).__name__)
+            if tuple(out.shape) != shape or out.dtype != v.dtype:
+                dtype = str(v.dtype).removeprefix("torch.")
+                got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')}"
+                raise InvalidInputError("out", f"{list(shape)} {dtype} (v's dtype)", got)
+        return cls(want, out)
 
     @property
     def return_lse(self) -> bool:
@@ -241,7 +254,10 @@ def decoded(
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"the answer is not a readable safetensors file: {exc}") from exc
     outputs.check({n: (tuple(t.shape), BY_TORCH[t.dtype].safetensors) for n, t in tensors.items()})
-    out = tensors["out"].to(device)
+    if outputs.into is not None:
+        out = copy_into(outputs.into, tensors["out"])
+    else:
+        out = tensors["out"].to(device)
     if outputs.return_lse:
         return out, tensors["lse"].to(device)
     return out
@@ -269,7 +285,10 @@ def answered(
     for name, place in answer.places.items():
         if place != layout.places[name]:
             raise ProtocolError(f"{name}: expected written at {layout.places[name]}, got {place}")
-    out = _copied(layout.out, device, memory)
+    if outputs.into is not None:  # out of the region straight into the caller's tensor
+        out = copy_into(outputs.into, layout.out)
+    else:
+        out = _copied(layout.out, device, memory)
     if layout.lse is None:
         return out
     return out, _copied(layout.lse, device, memory)

@@ -102,12 +102,13 @@ class AsyncPrefillClient(BaseClient):
         scale: float | None = None,
         kernel: str = "auto",
         request_id: str | None = None,
+        out: torch.Tensor | None = None,
     ) -> PrefillResult:
         """As `PrefillClient.prefill`."""
         call = self._call(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
-            request_id=request_id,
+            request_id=request_id, out=out,
         )  # fmt: skip
         async with _async_call(call.deadline):
             while True:

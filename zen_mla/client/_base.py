@@ -352,13 +352,14 @@ class BaseClient:
         scale: float | None,
         kernel: str,
         request_id: str | None,
+        out: torch.Tensor | None = None,
     ) -> Call:
         """A prefill call of checked options and tensors, as `prefill` takes them."""
         options = wire.options_metadata(
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
         tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
-        outputs = Outputs.of(tensors, return_lse)
+        outputs = Outputs.of(tensors, return_lse, out)
         work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
         return Call(tensors, options, outputs, work, self)
 

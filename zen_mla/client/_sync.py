@@ -90,12 +90,16 @@ class PrefillClient(BaseClient):
         scale: float | None = None,
         kernel: str = "auto",
         request_id: str | None = None,
+        out: torch.Tensor | None = None,
     ) -> PrefillResult:
-        """As `zen_mla.ragged_attention`, computed by the service."""
+        """As `zen_mla.ragged_attention`, computed by the service. `out`: a `[Tq, H, Dv]`
+        tensor in v's dtype (on any device, any strides) that the result is written to and
+        returned as, with no tensor of the client's in between (checked before anything is
+        sent: InvalidInputError names it)."""
         call = self._call(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
-            request_id=request_id,
+            request_id=request_id, out=out,
         )  # fmt: skip
         with sync_call(call.deadline):
             while True:

@@ -13,7 +13,6 @@ from typing import Any, ClassVar, Protocol, cast
 import torch
 
 from ..client import PrefillClient
-from ..copying import copy_into
 from ..errors import InvalidInputError
 from ..wire import PrefillOptions
 from .context import ContextKV, call, check_out, lse_of, pool, prefill_with_context
@@ -160,10 +159,8 @@ class RemotePrefillBackend:
             self.link,
             (q, k, v, self._query_start_loc(), None),
             PrefillOptions(causal=True, return_lse=return_softmax_lse, scale=self.scale),
+            out,
         )
-        if out is not None:
-            copy_into(out, result)
-            result = out
         return (result, lse_of(lse)) if return_softmax_lse else result
 
     def run_prefill_context_chunk(
@@ -191,10 +188,8 @@ class RemotePrefillBackend:
             self.link,
             (q, k, v, chunk.query_start_loc, chunk.cu_seq_lens),
             PrefillOptions(causal=False, return_lse=True, scale=self.scale),
+            out,
         )
-        if out is not None:
-            copy_into(out, result)
-            result = out
         return result, lse_of(lse)
 
     def run_prefill_with_context(

@@ -13,7 +13,6 @@ from typing import ClassVar, Protocol
 import torch
 
 from ..attention.merge import merge_many
-from ..copying import copy_into
 from ..errors import InvalidInputError, KernelError
 from ..wire import PrefillOptions
 from .settings import DEFAULT_CONCURRENCY
@@ -51,6 +50,7 @@ class Prefiller(Protocol):
         causal: bool = True,
         return_lse: bool = False,
         scale: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> PrefillResult: ...
 
 
@@ -115,10 +115,14 @@ def check_result(
 
 
 def call(
-    client: Prefiller, tensors: RaggedTensors, options: PrefillOptions
+    client: Prefiller,
+    tensors: RaggedTensors,
+    options: PrefillOptions,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One piece, `(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)`, through `client`, its answer
-    checked (`check_result`); lse is None unless `options.return_lse`."""
+    checked (`check_result`); lse is None unless `options.return_lse`. `out`, where given
+    (checked by `check_out`), is written in place and returned."""
     q, k, v, q_cu, kv_cu = tensors
     got = client.prefill(
         q,
@@ -129,6 +133,7 @@ def call(
         causal=options.causal,
         return_lse=options.return_lse,
         scale=options.scale,
+        out=out,
     )
     out, lse = got if isinstance(got, tuple) else (got, None)
     if options.return_lse and lse is None:
@@ -183,10 +188,8 @@ def prefill_with_context(
             client,
             (q, k, v, query_start_loc, None),
             PrefillOptions(causal=True, return_lse=return_lse, scale=scale),
+            out,
         )
-        if out is not None:
-            copy_into(out, new_out)
-            new_out = out
         return (new_out, lse_of(new_lse)) if return_lse else new_out
 
     runner = executor if executor is not None else pool(DEFAULT_CONCURRENCY)

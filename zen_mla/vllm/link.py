@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httpx
+import torch
 
 from ..client import PrefillClient
+from ..copying import copy_into
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..wire import PrefillOptions
 from .context import PrefillResult, RaggedTensors, call
@@ -132,20 +134,21 @@ class ServiceLink:
         with self._lock:
             return self._down_since is None
 
-    def prefill(self, *args: Any, **options: Any) -> PrefillResult:
+    def prefill(self, *args: Any, out: torch.Tensor | None = None, **options: Any) -> PrefillResult:
         """As `PrefillClient.prefill` (its arguments: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens],
-        and causal, return_lse, scale): by the service while it answers, else (with the
-        fallback) here. The service's answer is checked (`check_result`) before it counts."""
+        causal, return_lse, scale, and `out` to write into): by the service while it answers,
+        else (with the fallback) here. The service's answer is checked (`check_result`) before
+        it counts."""
         tensors: RaggedTensors = (*args, None)[:5]
         opts = PrefillOptions(**options)
         if not self.settings.fallback:
-            out, lse = call(self.client, tensors, opts)
+            result, lse = call(self.client, tensors, opts, out)
             stats.add(remote=1)
-            return out if lse is None else (out, lse)
+            return result if lse is None else (result, lse)
         client = self._client_if_up()
         if client is not None:
             try:
-                out, lse = call(client, tensors, opts)
+                result, lse = call(client, tensors, opts, out)
             except (InvalidInputError, RequestRejectedError):
                 raise  # the service refused this call as sent (422, 401, 413, ...): no outage
             except QueueFullError:
@@ -154,11 +157,16 @@ class ServiceLink:
                 self._went_down(client, exc)
             else:
                 self._answered()
-                return out if lse is None else (out, lse)
+                return result if lse is None else (result, lse)
         with self._lock:
             self._local_calls += 1
         stats.add(local=1)
-        return _local(tensors, opts)
+        local = _local(tensors, opts)
+        if out is None:
+            return local
+        if isinstance(local, tuple):
+            return copy_into(out, local[0]), local[1]
+        return copy_into(out, local)
 
     def _client_if_up(self) -> PrefillClient | None:
         with self._lock:
