@@ -298,3 +298,34 @@ def test_the_socket_folder_must_be_ours_and_closed_to_others(tmp_path):
     made = tmp_path / "made" / "here"
     assert asyncio.run(start(made / "regions.sock")) == (0o600, False)
     assert os.stat(made).st_mode & 0o777 == 0o700
+
+
+def test_a_frame_sent_whole_is_read_in_one_turn_and_never_past_its_end(tmp_path):
+    """Its length and its body in one callback of the loop (one turn, not one per read);
+    two frames sent at once are still answered one after the other, in order."""
+    with running(tmp_path) as r:
+        calls: list[int] = []
+
+        def install() -> None:
+            real = r.server._readable
+
+            def counted(client):
+                calls.append(client.id)
+                real(client)
+
+            r.server._readable = counted  # type: ignore[method-assign]
+
+        r.on_loop(install)
+        s = r.connect()
+        s.sendall(encode_frame({"op": "hello"}))
+        assert recv_frame(s)["ok"]
+        assert len(calls) == 1
+        s.sendall(encode_frame({"op": "unregister", "region": "a"})[:6])  # cut in its body
+        time.sleep(0.2)
+        s.sendall(encode_frame({"op": "unregister", "region": "a"})[6:])
+        assert recv_frame(s)["status"] == 422
+        assert len(calls) == 3
+        s.sendall(encode_frame({"op": "unregister", "region": "b"}) + encode_frame({"op": "hello"}))
+        first, second = recv_frame(s), recv_frame(s)
+        assert "'b'" in first["error"] and second["ok"]
+        s.close()

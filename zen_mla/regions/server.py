@@ -187,49 +187,28 @@ class RegionServer:
             self._loop.add_reader(self._listener.fileno(), self._accept)
 
     def _readable(self, client: _Client) -> None:
-        """One read, never past the frame being read: a frame's bytes, and its descriptor.
-        While a call runs, only a look for the connection's end (`_watch`)."""
+        """Reads of a frame's bytes (and its descriptor) while they are there, never past its
+        end: a frame sent whole costs one turn of the loop. While a call runs, only a look for
+        the connection's end (`_watch`)."""
         if client.gone is not None:
             self._watch(client)
             return
-        try:
-            data, ancdata, flags, _ = client.sock.recvmsg(client.reader.wanted(), _CMSG_SPACE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(client)
-            return
-        fds = _descriptors(ancdata)
-        if fds:
-            many = len(fds) > 1 or client.fd is not None
-            if client.fd is None:
-                client.fd = fds.pop(0)  # the connection's from here: _drop closes it
-            for fd in fds:
-                os.close(fd)
-            if not client.greeted or many or flags & socket.MSG_CTRUNC:
-                self._refuse(client, 400, "a descriptor before hello, or more than one a frame")
+        message = None
+        while message is None:
+            try:
+                data, ancdata, flags, _ = client.sock.recvmsg(client.reader.wanted(), _CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
                 return
-        if flags & socket.MSG_CTRUNC:
-            self._refuse(client, 400, "more than one descriptor a frame")
-            return
-        if not data:
-            self._drop(client)
-            return
-        if client.greeted and client.timer is None:  # a frame's first byte
-            assert self._loop is not None
-            client.timer = self._loop.call_later(
-                self.frame_timeout_s,
-                self._expire,
-                client,
-                f"a frame not whole within {self.frame_timeout_s} s",
-            )
-        try:
-            message = client.reader.feed(data)
-        except FrameError as exc:
-            self._refuse(client, exc.status, str(exc))
-            return
-        if message is None:
-            return
+            except OSError:
+                self._drop(client)
+                return
+            if not self._took(client, data, ancdata, flags):
+                return
+            try:
+                message = client.reader.feed(data)
+            except FrameError as exc:
+                self._refuse(client, exc.status, str(exc))
+                return
         if client.greeted:
             self._stop_timer(client)
             if message.get("op") == "prefill" and self._calls is not None and client.fd is None:
@@ -245,6 +224,31 @@ class RegionServer:
             self._refuse(client, reply["status"], reply["error"])
         else:
             self._send(client, reply)
+
+    def _took(
+        self, client: _Client, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int
+    ) -> bool:
+        """One read's descriptor, end and frame timer; False when the connection ended."""
+        fds = _descriptors(ancdata)
+        if fds:
+            many = len(fds) > 1 or client.fd is not None
+            if client.fd is None:
+                client.fd = fds.pop(0)  # the connection's from here: _drop closes it
+            for fd in fds:
+                os.close(fd)
+            if not client.greeted or many or flags & socket.MSG_CTRUNC:
+                self._refuse(client, 400, "a descriptor before hello, or more than one a frame")
+                return False
+        if flags & socket.MSG_CTRUNC:
+            self._refuse(client, 400, "more than one descriptor a frame")
+            return False
+        if not data:
+            self._drop(client)
+            return False
+        if client.greeted and client.timer is None and self._loop is not None:  # first byte
+            why = f"a frame not whole within {self.frame_timeout_s} s"
+            client.timer = self._loop.call_later(self.frame_timeout_s, self._expire, client, why)
+        return True
 
     def _handle(self, client: _Client, message: dict[str, Any]) -> dict[str, Any]:
         fd, client.fd = client.fd, None
@@ -267,11 +271,7 @@ class RegionServer:
             if op == "unregister":
                 self.registry.unregister(str(message.get("region", "")), client.regions)
                 return {"ok": True}
-            ops = (
-                "hello, register, unregister or prefill"
-                if self._calls
-                else "hello, register or unregister"
-            )
+            ops = "hello, register, unregister" + (" or prefill" if self._calls else "")
             raise InvalidInputError("op", ops, f"{op!r:.40}")
         except ZenMLAError as exc:
             return _refusal(status_of(exc), str(exc))
