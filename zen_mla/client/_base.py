@@ -26,8 +26,8 @@ from ..errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ..regions.client import Layout, RegionClient, RegionSet
-from ..regions.protocol import MAX_MESSAGE, encode_frame
+from ..regions.client import Layout, RegionClient, RegionSet, call_frame
+from ..regions.protocol import MAX_MESSAGE
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded, health_json
@@ -286,9 +286,8 @@ class Call:
         client = regions.client
         if not client.calls:
             return None
-        body = regions_json.encode(layout.places, self.options).decode()
-        frame = {"op": "prefill", "body": body}
-        if len(encode_frame(frame)) > MAX_MESSAGE:  # the service would end the connection
+        frame = call_frame(layout.places, self.options)
+        if len(frame) > MAX_MESSAGE:  # the service would end the connection
             return None
         try:
             reply = client.try_call(frame, self.deadline.remaining())

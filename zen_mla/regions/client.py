@@ -10,13 +10,14 @@ it lies, without a copy; the region is unregistered once the tensor is gone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +32,17 @@ from ..errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
+from ..wire import regions_json
 from ..wire.dtypes import BY_TORCH
 from ..wire.regions_json import TensorPlace
 from .memfd import create_sealed_memfd
-from .protocol import FrameError, decode_object, recv_frame, send_frame
+from .protocol import FrameError, decode_object, encode_frame, recv_frame, send_frame
 
-__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet"]
+__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet", "call_frame"]
 
 ALIGN = 64
 MIN_SCRATCH = 16 << 20
+SLOTS_KEPT = 64  # views kept per region (ClientRegion.slot)
 
 
 def _aligned(n: int) -> int:
@@ -85,20 +88,20 @@ class RegionClient:
             raise _refusal(reply)
         return reply
 
-    def try_call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any] | None:
-        """One prefill call's exchange, its reply as it came (the caller reads it), waiting at
-        most `timeout` seconds (None: as long as it takes); None, without a byte sent, while
-        another exchange holds the connection (the service answers one call per connection
-        at a time: the caller goes another way)."""
+    def try_call(self, frame: bytes, timeout: float | None) -> dict[str, Any] | None:
+        """One prefill call's exchange (`frame`: `call_frame`'s), its reply as it came (the
+        caller reads it), waiting at most `timeout` seconds (None: as long as it takes); None,
+        without a byte sent, while another exchange holds the connection (the service answers
+        one call per connection at a time: the caller goes another way)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return self._exchange(message, None, timeout)
+            return self._exchange(frame, None, timeout)
         finally:
             self._lock.release()
 
     def _exchange(
-        self, message: dict[str, Any], fd: int | None, timeout: float | None
+        self, message: dict[str, Any] | bytes, fd: int | None, timeout: float | None
     ) -> dict[str, Any]:
         """Send, then read the reply by `timeout`; the lock held. A failure closes the
         connection: a reply may still be on its way, and would be taken for the next one's."""
@@ -135,6 +138,24 @@ class RegionClient:
         self._sock.close()  # the service drops every region of this connection
 
 
+def call_frame(places: Mapping[str, TensorPlace], options: Mapping[str, str]) -> bytes:
+    """The `prefill` frame of a request naming `places`, with `options` (the regions JSON in
+    a frame). An orchestrator sends the same one layer after layer: the last
+    `FRAMES_KEPT` made are kept (~10 us of JSON a frame, ~1 us kept)."""
+    return _call_frame(tuple(places.items()), tuple(options.items()))
+
+
+FRAMES_KEPT = 64
+
+
+@functools.lru_cache(maxsize=FRAMES_KEPT)
+def _call_frame(
+    places: tuple[tuple[str, TensorPlace], ...], options: tuple[tuple[str, str], ...]
+) -> bytes:
+    body = regions_json.encode(dict(places), dict(options)).decode()
+    return encode_frame({"op": "prefill", "body": body})
+
+
 def _refusal(reply: dict[str, Any]) -> ZenMLAError:
     """The error a `{"ok": false, "status", "error"}` reply stands for; a reply without a
     known status is a ZenMLAError all the same."""
@@ -159,6 +180,9 @@ class ClientRegion:
         self.nbytes = nbytes
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.base = self.bytes.data_ptr()
+        # (offset, shape, dtype) -> a view and its place: a scratch region is laid out the
+        # same way call after call (an orchestrator's layers), and making them is ~5 us each
+        self._slots: dict[tuple[int, tuple[int, ...], torch.dtype], _Slot] = {}
         _pin(self)
 
     def tensor(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -166,6 +190,18 @@ class ClientRegion:
         for d in shape:
             n *= d
         return self.bytes[offset : offset + n].view(dtype).view(*shape)
+
+    def slot(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> _Slot:
+        """A view of this region and its place, for the client's own use (never handed to a
+        caller: the same view object comes back for the same slot)."""
+        key = (offset, shape, dtype)
+        found = self._slots.get(key)
+        if found is None:
+            if len(self._slots) >= SLOTS_KEPT:
+                self._slots.clear()
+            view = self.tensor(offset, shape, dtype)
+            found = self._slots[key] = _Slot(view, self.place(offset, view))
+        return found
 
     def place(self, offset: int, t: torch.Tensor) -> TensorPlace:
         return TensorPlace(self.handle, offset, BY_TORCH[t.dtype].safetensors, tuple(t.shape))
@@ -178,6 +214,12 @@ class ClientRegion:
         if self.base <= start and start + t.numel() * t.element_size() <= self.base + self.nbytes:
             return start - self.base
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    view: torch.Tensor
+    place: TensorPlace
 
 
 def _pin(region: ClientRegion) -> None:
@@ -233,13 +275,18 @@ class RegionSet:
             self.client.unregister(handle)
 
     def where(self, t: torch.Tensor) -> TensorPlace | None:
+        return self._where_all({"t": t})["t"]
+
+    def _where_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorPlace | None]:
+        """Where each tensor lies in an `empty()` region, None for those that do not."""
         with self._lock:
             regions = list(self._own)
+        found: dict[str, TensorPlace | None] = dict.fromkeys(tensors)
         for region in regions:
-            offset = region.offset_of(t)
-            if offset is not None:
-                return region.place(offset, t)
-        return None
+            for name, t in tensors.items():
+                if found[name] is None and (offset := region.offset_of(t)) is not None:
+                    found[name] = region.place(offset, t)
+        return found
 
     @contextlib.contextmanager
     def scratch(self, nbytes: int) -> Iterator[ClientRegion]:
@@ -266,7 +313,7 @@ class RegionSet:
         """Lay a request out in a scratch region (tensors in `empty()` regions are named where
         they lie, the others copied once) and yield where everything is; the region is this
         caller's until the block ends."""
-        found = {n: self.where(t) for n, t in tensors.items()}
+        found = self._where_all(tensors)
         moved = {n: t for n, t in tensors.items() if found[n] is None}
         sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
         q, v = tensors["q"], tensors["v"]
@@ -277,16 +324,17 @@ class RegionSet:
             places = {n: p for n, p in found.items() if p is not None}
             offset = 0
             for name, t in moved.items():
-                copy_into(region.tensor(offset, t.shape, t.dtype), t)  # the one copy (CUDA too)
-                places[name] = region.place(offset, t)
+                slot = region.slot(offset, tuple(t.shape), t.dtype)
+                copy_into(slot.view, t)  # the one copy (CUDA too)
+                places[name] = slot.place
                 offset += sizes[name]
-            out = region.tensor(offset, out_shape, v.dtype)
-            places["out"] = region.place(offset, out)
+            out = region.slot(offset, out_shape, v.dtype)
+            places["out"] = out.place
             lse = None
             if return_lse:
-                lse = region.tensor(offset + out_bytes, (q.shape[1], q.shape[0]), torch.float32)
-                places["lse"] = region.place(offset + out_bytes, lse)
-            yield Layout(places, out, lse)
+                lse = region.slot(offset + out_bytes, (q.shape[1], q.shape[0]), torch.float32)
+                places["lse"] = lse.place
+            yield Layout(places, out.view, lse.view if lse is not None else None)
 
     def close(self) -> None:
         self.client.close()

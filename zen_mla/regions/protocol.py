@@ -121,9 +121,10 @@ def decode_message(raw: bytes) -> dict[str, Any]:
     return message
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any], fd: int | None = None) -> None:
-    """Blocking send of one message, with `fd` passed alongside when given."""
-    data = encode_frame(message)
+def send_frame(sock: socket.socket, message: dict[str, Any] | bytes, fd: int | None = None) -> None:
+    """Blocking send of one message (or of a frame `encode_frame` made), with `fd` passed
+    alongside when given."""
+    data = message if isinstance(message, bytes) else encode_frame(message)
     if fd is None:
         sock.sendall(data)
         return
