@@ -4,6 +4,7 @@ where the results are. `routes.prefill` admits, queues and times them as any `/p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,44 @@ class RegionWork:
     options: PrefillOptions
 
 
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """What a body resolved to once, but its validation (cu_seq_lens live in the client's
+    memory, and are read again every call): the tensors and where the outputs go."""
+
+    tensors: dict[str, torch.Tensor]
+    inputs: list[SharedBuffer]
+    outputs: Outputs
+    places: dict[str, regions_json.TensorPlace]
+    options: PrefillOptions
+
+
+#: bodies whose resolution is kept (in `RegionRegistry.memo`, emptied whenever a region goes)
+RESOLVED_KEPT = 64
+
+
 def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> RegionWork:
     """Every place checked against its region, outputs against the inputs and each other,
-    then the batch validated as any other; InvalidInputError names what is wrong."""
+    then the batch validated as any other; InvalidInputError names what is wrong.
+
+    An orchestrator sends the same body layer after layer: what a body resolved to is kept
+    (~25 us of Python a body) while every region it names stays, and only the validation runs
+    again (the batch's offsets are read from the client's memory each call)."""
+    key = ("resolved", bytes(body))
+    kept = registry.memo.get(key)
+    if isinstance(kept, _Placed):
+        prepared = engine.prepare(kept.tensors, kept.options)
+        return RegionWork(prepared, kept.inputs, kept.outputs, kept.places, kept.options)
+    work, tensors = _resolve(body, registry, engine)
+    if len(registry.memo) >= RESOLVED_KEPT:
+        registry.memo.clear()
+    registry.memo[key] = _Placed(tensors, work.inputs, work.outputs, work.places, work.options)
+    return work
+
+
+def _resolve(
+    body: bytes, registry: RegionRegistry, engine: PrefillEngine
+) -> tuple[RegionWork, dict[str, torch.Tensor]]:
     message = regions_json.decode(body, regions_json.REQUEST_NAMES)
     options = parse_options(message.metadata)
     places = message.places
@@ -77,13 +113,23 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
         raise InvalidInputError("lse", "a place in out's region", "another region")
     inputs = [registry.resolve(places[n].region).buffer for n in ("q", "k", "v")]
     outputs = (out_region.buffer, views["out"], views.get("lse"))
-    return RegionWork(prepared, inputs, outputs, places, options)
+    return RegionWork(prepared, inputs, outputs, places, options), tensors
 
 
 def answer_body(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> bytes:
-    """Where the results were written, and what computed them (a regions JSON)."""
-    written = {n: p for n, p in work.places.items() if n in ("out", "lse")}
-    return regions_json.encode(written, answer_metadata(kernels, request_id))
+    """Where the results were written, and what computed them (a regions JSON; the same
+    answer layer after layer: the last `RESOLVED_KEPT` made are kept)."""
+    written = tuple((n, p) for n, p in work.places.items() if n in ("out", "lse"))
+    return _answer_body(written, kernels, request_id)
+
+
+@functools.lru_cache(maxsize=RESOLVED_KEPT)
+def _answer_body(
+    written: tuple[tuple[str, regions_json.TensorPlace], ...],
+    kernels: KernelChoice,
+    request_id: str | None,
+) -> bytes:
+    return regions_json.encode(dict(written), answer_metadata(kernels, request_id))
 
 
 def answer(work: RegionWork, kernels: KernelChoice, request_id: str | None) -> Response:

@@ -41,7 +41,11 @@ class Region:
 
 class RegionRegistry:
     """Regions by handle, with per-client limits on their number and bytes. A client's regions
-    are the dict it holds (`held`), so dropping a client drops exactly its own."""
+    are the dict it holds (`held`), so dropping a client drops exactly its own.
+
+    `memo` is for what a caller derives from the regions as they are (a request's tensors,
+    resolved): it is emptied whenever a region goes, so nothing kept there outlives a region
+    or keeps its memory mapped."""
 
     def __init__(
         self,
@@ -53,6 +57,7 @@ class RegionRegistry:
         self.max_regions, self.max_bytes = max_regions, max_bytes
         self._adopt = adopt
         self._regions: dict[str, Region] = {}
+        self.memo: dict[object, object] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -105,10 +110,13 @@ class RegionRegistry:
         if held.pop(handle, None) is None:
             raise InvalidInputError("region", "a handle this client registered", _shown(handle))
         del self._regions[handle]
+        self.memo.clear()
 
     def drop(self, held: dict[str, Region]) -> None:
         for handle in held:
             self._regions.pop(handle, None)
+        if held:
+            self.memo.clear()
         held.clear()
 
     def resolve(self, handle: str) -> Region:
