@@ -81,3 +81,34 @@ def test_an_out_that_cannot_hold_the_result_is_refused_before_sending(out, match
     with client, pytest.raises(zen_mla.InvalidInputError, match=match) as info:
         client.prefill(q, k, v, cu, out=out)
     assert info.value.name == "out"
+
+
+def test_an_out_in_the_clients_own_region_is_written_there_by_the_service(server):
+    """`out` made by `empty()`: the service is told to write it in place (no copy back); with
+    an LSE, or over an input's bytes, it goes through the scratch region and is copied."""
+    q, k, v, cu = _batch(2)
+    with PrefillClient(server.url, shared_memory=True) as client:
+        regions = client.regions(0)
+        assert regions is not None
+        tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": cu}
+        out = client.empty((20, H, DV), torch.bfloat16)
+        with regions.request(tensors, False, out) as layout:
+            assert layout.out is out and layout.places["out"] == regions.where(out)
+        with regions.request(tensors, True, out) as layout:  # lse goes in out's region
+            assert layout.out is not out
+        out.fill_(float("nan"))
+        assert client.prefill(q, k, v, cu, out=out) is out
+        assert_close_to_reference(q, k, v, cu, None, True, out)
+        got, lse = client.prefill(q, k, v, cu, out=out, return_lse=True)
+        assert got is out
+        assert_close_to_reference(q, k, v, cu, None, True, out, lse)
+
+        # q itself in a region, out over its bytes: named apart, then copied
+        qe = client.empty((20, H, DQK), torch.bfloat16)
+        qe.copy_(q)
+        over = qe.view(-1)[: 20 * H * DV].view(20, H, DV)
+        with regions.request(tensors | {"q": qe}, False, over) as layout:
+            assert layout.out is not over
+        q_kept = qe.clone()
+        assert client.prefill(qe, k, v, cu, out=over) is over
+        assert_close_to_reference(q_kept, k, v, cu, None, True, over)

@@ -285,7 +285,9 @@ def answered(
     for name, place in answer.places.items():
         if place != layout.places[name]:
             raise ProtocolError(f"{name}: expected written at {layout.places[name]}, got {place}")
-    if outputs.into is not None:  # out of the region straight into the caller's tensor
+    if outputs.into is layout.out:  # the caller's own region: written there by the service
+        out = layout.out
+    elif outputs.into is not None:  # out of the region straight into the caller's tensor
         out = copy_into(outputs.into, layout.out)
     else:
         out = _copied(layout.out, device, memory)

@@ -37,7 +37,7 @@ async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
 
 
 def _over_socket(call: Call, regions: RegionSet) -> PrefillResult | None:
-    with regions.request(call.tensors, call.outputs.return_lse) as layout:
+    with regions.request(call.tensors, call.outputs.return_lse, call.outputs.into) as layout:
         return call.over_socket(regions, layout)
 
 
@@ -128,7 +128,8 @@ class AsyncPrefillClient(BaseClient):
         # the copies into the region and out of it run in a thread: the event loop stays free
         stack = contextlib.ExitStack()
         layout = await asyncio.to_thread(
-            stack.enter_context, regions.request(call.tensors, call.outputs.return_lse)
+            stack.enter_context,
+            regions.request(call.tensors, call.outputs.return_lse, call.outputs.into),
         )
         with stack:
             status, headers, body = await self._send(i, call.region_post(layout), call.deadline)

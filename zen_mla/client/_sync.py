@@ -95,7 +95,9 @@ class PrefillClient(BaseClient):
         """As `zen_mla.ragged_attention`, computed by the service. `out`: a `[Tq, H, Dv]`
         tensor in v's dtype (on any device, any strides) that the result is written to and
         returned as, with no tensor of the client's in between (checked before anything is
-        sent: InvalidInputError names it)."""
+        sent: InvalidInputError names it); one made by `empty()` is written where it lies by
+        the service (no copy), unless an LSE is asked. After a failed call its contents are
+        undefined."""
         call = self._call(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
@@ -112,7 +114,7 @@ class PrefillClient(BaseClient):
         if regions is None:
             status, headers, body = self._send(i, call.post(), call.deadline)
             return call.decoded(status, body, headers)
-        with regions.request(call.tensors, call.outputs.return_lse) as layout:
+        with regions.request(call.tensors, call.outputs.return_lse, call.outputs.into) as layout:
             result = call.over_socket(regions, layout)
             if result is not None:
                 return result

@@ -222,6 +222,12 @@ class _Slot:
     place: TensorPlace
 
 
+def _overlap(a: TensorPlace, b: TensorPlace) -> bool:
+    return (
+        a.region == b.region and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+    )
+
+
 def _pin(region: ClientRegion) -> None:
     """Where CUDA is, register the mapping as pinned host memory: copies between the device and
     the region then run at DMA speed instead of through a bounce buffer."""
@@ -309,16 +315,27 @@ class RegionSet:
                     self.client.unregister(self._free.pop().handle)
 
     @contextlib.contextmanager
-    def request(self, tensors: dict[str, torch.Tensor], return_lse: bool) -> Iterator[Layout]:
+    def request(
+        self,
+        tensors: dict[str, torch.Tensor],
+        return_lse: bool,
+        out: torch.Tensor | None = None,
+    ) -> Iterator[Layout]:
         """Lay a request out in a scratch region (tensors in `empty()` regions are named where
         they lie, the others copied once) and yield where everything is; the region is this
-        caller's until the block ends."""
-        found = self._where_all(tensors)
+        caller's until the block ends. An `out` of the caller's that lies in an `empty()`
+        region, apart from the inputs, is named as the place to write (no copy back; not with
+        an LSE, which the service writes in out's region)."""
+        found = self._where_all(tensors if out is None or return_lse else {**tensors, "out": out})
+        own_out = found.pop("out", None)
+        if own_out is not None and any(_overlap(own_out, p) for p in found.values() if p):
+            own_out = None  # the service writes no output over an input
         moved = {n: t for n, t in tensors.items() if found[n] is None}
         sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
         q, v = tensors["q"], tensors["v"]
         out_shape = (q.shape[0], q.shape[1], v.shape[2])
         out_bytes = _aligned(out_shape[0] * out_shape[1] * out_shape[2] * v.element_size())
+        out_bytes = 0 if own_out is not None else out_bytes
         lse_bytes = _aligned(q.shape[0] * q.shape[1] * 4) if return_lse else 0
         with self.scratch(sum(sizes.values()) + out_bytes + lse_bytes) as region:
             places = {n: p for n, p in found.items() if p is not None}
@@ -328,13 +345,16 @@ class RegionSet:
                 copy_into(slot.view, t)  # the one copy (CUDA too)
                 places[name] = slot.place
                 offset += sizes[name]
-            out = region.slot(offset, out_shape, v.dtype)
-            places["out"] = out.place
+            if own_out is not None and out is not None:
+                places["out"], out_view = own_out, out
+            else:
+                slot = region.slot(offset, out_shape, v.dtype)
+                places["out"], out_view = slot.place, slot.view
             lse = None
             if return_lse:
                 lse = region.slot(offset + out_bytes, (q.shape[1], q.shape[0]), torch.float32)
                 places["lse"] = lse.place
-            yield Layout(places, out.view, lse.view if lse is not None else None)
+            yield Layout(places, out_view, lse.view if lse is not None else None)
 
     def close(self) -> None:
         self.client.close()
