@@ -20,6 +20,7 @@ __all__ = [
     "RaggedBatch",
     "Run",
     "check_num_seqs",
+    "check_out",
     "total_visible_pairs",
     "validate",
     "visible_pairs",
@@ -261,3 +262,15 @@ def validate(
     elif not (math.isfinite(scale) and scale > 0):
         raise InvalidInputError("scale", "a finite number > 0", repr(scale))
     return RaggedBatch(q, k, v, q_cu, kv_cu, bool(causal), float(scale))
+
+
+def check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:
+    """`out` can take a batch's result in place: `[Tq, H, Dv]` in v's dtype (any device, any
+    strides); InvalidInputError naming `out` otherwise."""
+    if not isinstance(out, torch.Tensor):
+        raise InvalidInputError("out", "a torch.Tensor", type(out).__name__)
+    want = (q.shape[0], q.shape[1], v.shape[-1])
+    if tuple(out.shape) != want or out.dtype != v.dtype:
+        dtype = str(v.dtype).removeprefix("torch.")
+        got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')}"
+        raise InvalidInputError("out", f"{list(want)} {dtype} (v's dtype)", got)

@@ -13,6 +13,7 @@ import httpx
 import torch
 
 from .. import errors, wire
+from ..attention.batch import check_out
 from ..copying import copied, copy_into
 from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolError, ZenMLAError
 from ..regions.client import Layout
@@ -195,19 +196,13 @@ class Outputs:
         """InvalidInputError naming `out` when one is given that cannot hold the result."""
         q, v = tensors["q"], tensors["v"]
         tq, heads = int(q.shape[0]), int(q.shape[1])
-        shape = (tq, heads, int(v.shape[2]))
         want: dict[str, tuple[tuple[int, ...], str]] = {
-            "out": (shape, BY_TORCH[v.dtype].safetensors)
+            "out": ((tq, heads, int(v.shape[2])), BY_TORCH[v.dtype].safetensors)
         }
         if return_lse:
             want["lse"] = ((heads, tq), "F32")
         if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise InvalidInputError("out", "a torch.Tensor", type(out).__name__)
-            if tuple(out.shape) != shape or out.dtype != v.dtype:
-                dtype = str(v.dtype).removeprefix("torch.")
-                got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')}"
-                raise InvalidInputError("out", f"{list(shape)} {dtype} (v's dtype)", got)
+            check_out(out, q, v)
         return cls(want, out)
 
     @property

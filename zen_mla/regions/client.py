@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import os
 import socket
@@ -334,8 +335,7 @@ class RegionSet:
         sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
         q, v = tensors["q"], tensors["v"]
         out_shape = (q.shape[0], q.shape[1], v.shape[2])
-        out_bytes = _aligned(out_shape[0] * out_shape[1] * out_shape[2] * v.element_size())
-        out_bytes = 0 if own_out is not None else out_bytes
+        out_bytes = 0 if own_out is not None else _aligned(math.prod(out_shape) * v.element_size())
         lse_bytes = _aligned(q.shape[0] * q.shape[1] * 4) if return_lse else 0
         with self.scratch(sum(sizes.values()) + out_bytes + lse_bytes) as region:
             places = {n: p for n, p in found.items() if p is not None}

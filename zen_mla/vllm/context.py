@@ -12,8 +12,9 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from ..attention.batch import check_out
 from ..attention.merge import merge_many
-from ..errors import InvalidInputError, KernelError
+from ..errors import KernelError
 from ..wire import PrefillOptions
 from .settings import DEFAULT_CONCURRENCY
 
@@ -92,14 +93,6 @@ class ContextKV:
 
 def _describe(t: torch.Tensor) -> str:
     return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-
-
-def check_out(out: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
-    want = (q.shape[0], q.shape[1], v.shape[-1])
-    if tuple(out.shape) != want or out.dtype != v.dtype:
-        raise InvalidInputError(
-            "out", f"{list(want)} {str(v.dtype).removeprefix('torch.')} (v's dtype)", _describe(out)
-        )
 
 
 def check_result(
