@@ -27,7 +27,7 @@ import torch
 from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.select import KernelChoice, host_status, select_kernel
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
-from .pool import Outputs, PoolConfig, PoolJob, PoolResult, SharedBuffer, WorkerPool
+from .pool import Outputs, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
 
 __all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]
@@ -51,12 +51,16 @@ class PrefillResult:
     """out `[Tq, H, Dv]` (v's dtype) and lse `[H, Tq]` fp32 or None, views of shared memory
     the workers wrote; `kernels` says what computed them. `release()` hands the memory back
     for reuse (the tensors must not be used after it); without it, the memory is freed once
-    the tensors are."""
+    the tensors are. `replied`: the worker wrote the `Reply` the job was run with."""
 
     out: torch.Tensor
     lse: torch.Tensor | None
     kernels: KernelChoice
     _pool_result: PoolResult
+
+    @property
+    def replied(self) -> bool:
+        return self._pool_result.replied
 
     def release(self) -> None:
         self._pool_result.release()
@@ -250,14 +254,16 @@ class PrefillEngine:
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
         outputs: Outputs | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        reply: Reply | None = None,
     ) -> PrefillJob:
         """Queue a prepared request on the workers. q, k and v lying in `inputs` (buffers of
         this engine: `buffer()`, `adopt()`) are read in place; `outputs` (a buffer, and `out`
         and `lse` views of it) says where results are written, else a buffer of the engine's.
         `loop`: the running event loop, when called from its thread: a request small enough
         for one worker then goes to an idle one from this thread and its answer is read here,
-        with no thread between (see `zen_mla.pool`). PoolClosedError once closed;
-        ServiceUnavailableError (try again) when shared memory cannot be had."""
+        with no thread between (see `zen_mla.pool`); `reply`, a frame that worker then writes
+        to the caller's socket itself once done (`PrefillResult.replied`). PoolClosedError once
+        closed; ServiceUnavailableError (try again) when shared memory cannot be had."""
         kernels = request.kernels
         job = self._pool.submit_batch(
             request.batch,
@@ -266,5 +272,6 @@ class PrefillEngine:
             inputs=inputs,
             outputs=outputs,
             loop=loop,
+            reply=reply,
         )
         return PrefillJob(request, job)

@@ -10,8 +10,8 @@ import torch
 
 from tests.regions.region_sockets import running
 from zen_mla.regions import client as region_client
-from zen_mla.regions.client import ClientRegion, RegionClient, call_frame
-from zen_mla.regions.protocol import encode_frame
+from zen_mla.regions.client import ClientRegion, RegionClient, prefill_fields
+from zen_mla.regions.protocol import encode_frame, numbered
 from zen_mla.wire import regions_json
 from zen_mla.wire.regions_json import TensorPlace
 
@@ -25,15 +25,17 @@ def _places(offset: int = 0) -> dict[str, TensorPlace]:
 
 def test_a_kept_frame_is_the_frame_made_afresh_and_follows_its_inputs():
     options = {"causal": "true", "return_lse": "false"}
-    frame = call_frame(_places(), options)
+    fields = prefill_fields(_places(), options)
     body = regions_json.encode(_places(), options).decode()
-    assert frame == encode_frame({"op": "prefill", "body": body})
-    assert call_frame(_places(), dict(options)) is frame  # kept: equal inputs, same bytes
-    moved = call_frame(_places(64), options)
+    for call in (1, 7, 1 << 40):  # numbered, the frame encode_frame makes of the same fields
+        expected = encode_frame({"op": "prefill", "call": call, "body": body})
+        assert numbered(call, fields) == expected
+    assert prefill_fields(_places(), dict(options)) is fields  # kept: equal inputs, same bytes
+    moved = numbered(2, prefill_fields(_places(64), options))
     assert json.loads(json.loads(moved[4:])["body"])["q"]["offset"] == 64
-    other = call_frame(_places(), options | {"return_lse": "true"})
+    other = numbered(3, prefill_fields(_places(), options | {"return_lse": "true"}))
     assert json.loads(json.loads(other[4:])["body"])["__metadata__"]["return_lse"] == "true"
-    info = region_client._call_frame.cache_info()
+    info = region_client._prefill_fields.cache_info()
     assert info.maxsize == region_client.FRAMES_KEPT
 
 

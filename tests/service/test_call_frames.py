@@ -124,10 +124,13 @@ def test_a_call_while_draining_is_a_503_with_retry_after():
     state = ServiceState(Settings(), draining=True)
     hook = socket_calls(state)
 
-    async def call() -> dict:
+    async def call(frame: dict) -> dict | None:
         gone = asyncio.get_running_loop().create_future()
-        return await hook({"op": "prefill", "body": "{}"}, gone)
+        return await hook(frame, gone, -1)  # no descriptor: nothing may be written to it
 
-    reply = asyncio.run(call())
+    reply = asyncio.run(call({"op": "prefill", "body": "{}"}))
+    assert reply is not None and "call" not in reply
     assert reply["status"] == 503 and reply["retry_after"] == 5 and "draining" in reply["detail"]
     assert state.metrics.requests["socket", 503] == 1
+    numbered = asyncio.run(call({"op": "prefill", "call": 12, "body": "{}"}))
+    assert numbered is not None and numbered["call"] == 12 and numbered["status"] == 503

@@ -223,6 +223,56 @@ def test_a_second_frame_waits_for_the_first_calls_reply(server):
         client.close()
 
 
+def _logged(server: Server, request_id: str) -> list[dict]:
+    lines = [
+        json.loads(x) for x in server.logs().splitlines() if x.startswith('{"event": "socket"')
+    ]
+    return [x for x in lines if x.get("request_id") == request_id]
+
+
+def test_a_numbered_call_is_answered_by_its_worker_with_its_number(server):
+    """A frame with its call number is answered by the worker that ran it (the log line says
+    so), numbered; one without is answered by the service, unnumbered; results the same."""
+    client = RegionClient(region_socket(server), None)
+    try:
+        region = ClientRegion(client, 64 << 20)
+        places, (q, k, v, cu, out) = lay_out(region, 64, lse=False)
+        for call, request_id in ((1, "numbered"), (2**53 - 1, "numbered"), (None, "plain")):
+            out.zero_()
+            frame = _call_frame(places, {"request_id": request_id})
+            send_frame(client._sock, frame if call is None else frame | {"call": call})
+            reply = recv_frame(client._sock, time.monotonic() + 60)
+            assert reply["ok"] and reply.get("call") == call, reply
+            assert_close_to_reference(q, k, v, cu, None, True, out)
+        deadline = time.monotonic() + 10
+        while len(_logged(server, "numbered")) < 2 or not _logged(server, "plain"):
+            assert time.monotonic() < deadline, "no log lines for the calls"
+            time.sleep(0.05)
+        assert [x["replied_by"] for x in _logged(server, "numbered")] == ["worker", "worker"]
+        assert [x["replied_by"] for x in _logged(server, "plain")] == ["service"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("call", ["7", -1, True, 2**53, 1.5, None])
+def test_a_call_number_that_is_not_a_whole_number_is_refused_naming_it(server, call):
+    client = RegionClient(region_socket(server), None)
+    try:
+        region = ClientRegion(client, 1 << 20)
+        places, _ = lay_out(region, 4, lse=False)
+        send_frame(client._sock, _call_frame(places) | {"call": call})
+        reply = recv_frame(client._sock, time.monotonic() + 60)
+        if call is None:  # null: no number, as with none
+            assert reply["ok"] and "call" not in reply
+            return
+        assert reply["status"] == 422 and reply["tensor"] == "call", reply
+        assert "call" not in reply  # not a number to answer with
+        assert repr(call)[:10] in reply["got"]
+    finally:
+        client.close()
+    assert server.health()["status"] == "ok"
+
+
 def test_a_half_sent_call_frame_is_cut_at_the_frame_deadline(tmp_path):
     with serve(tmp_path, workers=1, header_timeout_s=1) as s:
         client = RegionClient(region_socket(s), None)

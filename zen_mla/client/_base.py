@@ -26,8 +26,7 @@ from ..errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ..regions.client import Layout, RegionClient, RegionSet, call_frame
-from ..regions.protocol import MAX_MESSAGE
+from ..regions.client import Layout, RegionClient, RegionSet, prefill_fields
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded, health_json
@@ -286,11 +285,9 @@ class Call:
         client = regions.client
         if not client.calls:
             return None
-        frame = call_frame(layout.places, self.options)
-        if len(frame) > MAX_MESSAGE:  # the service would end the connection
-            return None
         try:
-            reply = client.try_call(frame, self.deadline.remaining())
+            fields = prefill_fields(layout.places, self.options)
+            reply = client.try_call(fields, self.deadline.remaining())
         except SharedMemoryUnavailableError as exc:  # the socket broke: the service is gone
             raise ServiceUnavailableError(f"the service's region socket closed: {exc}") from exc
         if reply is None:

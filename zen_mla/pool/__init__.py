@@ -12,17 +12,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
-    from ._job import Outputs, PoolJob, PoolResult
+    from ._job import Outputs, PoolJob, PoolResult, Reply
     from ._shm import SharedBuffer
     from ._supervisor import WorkerPool
 
-__all__ = ["Outputs", "PoolConfig", "PoolJob", "PoolResult", "SharedBuffer", "WorkerPool"]
+__all__ = [
+    "Outputs",
+    "PoolConfig",
+    "PoolJob",
+    "PoolResult",
+    "Reply",
+    "SharedBuffer",
+    "WorkerPool",
+]
 
 _LAZY = {
     "Outputs": "._job",
     "PoolConfig": "._config",
     "PoolJob": "._job",
     "PoolResult": "._job",
+    "Reply": "._job",
     "SharedBuffer": "._shm",
     "WorkerPool": "._supervisor",
 }

@@ -20,7 +20,7 @@ import asyncio
 import os
 
 from ._dispatch import Dispatcher
-from ._job import Task
+from ._job import Reply, Task
 from ._messages import Done, Failed, ToSupervisor
 from ._process import SendFailedError, WorkerProcess
 
@@ -29,7 +29,8 @@ __all__ = ["DirectRun"]
 
 class DirectRun:
     """`task` on `proc`, lent by `dispatcher`, sent and answered in `loop`'s thread (`start()`
-    is called there)."""
+    is called there); `reply`, where given, written by the worker once the task is done. A task
+    lost with its worker goes back to the pool without it: the caller answers."""
 
     def __init__(
         self,
@@ -37,8 +38,10 @@ class DirectRun:
         proc: WorkerProcess,
         task: Task,
         loop: asyncio.AbstractEventLoop,
+        reply: Reply | None = None,
     ) -> None:
         self._dispatcher, self._proc, self._task, self._loop = dispatcher, proc, task, loop
+        self._reply = reply
         self._fd: int | None = None
 
     def start(self) -> bool:
@@ -53,7 +56,7 @@ class DirectRun:
                 self._fd = None
             self._dispatcher.give_back()
             return False
-        sent = self._dispatcher.send(self._proc, self._task)
+        sent = self._dispatcher.send(self._proc, self._task, self._reply)
         if sent is not None:
             self._end(sent)
         return True
@@ -64,6 +67,8 @@ class DirectRun:
             while conn.poll(0):
                 msg: ToSupervisor = self._proc.recv()
                 answer = self._dispatcher.answer(self._task, msg)
+                if isinstance(answer, Done) and self._reply is not None:
+                    self._task.job.replied = True  # the worker wrote it before its Done
                 if answer is not None:
                     self._end(answer)
                     return

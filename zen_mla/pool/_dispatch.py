@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
-from ._job import PoolJob, Task, TaskQueue
+from ._job import PoolJob, Reply, Task, TaskQueue
 from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
@@ -282,11 +282,9 @@ class Dispatcher:
         as not alive meanwhile."""
         silent = time.monotonic() - self.heard_at
         if self.state == "busy" and silent > self._config.ping_timeout:
+            pid = self.proc.pid if self.proc else None
             log.warning(
-                "worker %d (pid %s) silent for %.1f s mid-task: stuck",
-                self.slot.id,
-                self.proc.pid if self.proc else None,
-                silent,
+                "worker %d (pid %s) silent for %.1f s mid-task: stuck", self.slot.id, pid, silent
             )
             self._set("stuck")
 
@@ -353,8 +351,10 @@ class Dispatcher:
             else:
                 self._check_silence()
 
-    def send(self, proc: WorkerProcess, task: Task) -> SendFailedError | str | None:
-        """Send `task` to `proc` (the dispatcher thread's, or a borrower's): None once sent,
+    def send(
+        self, proc: WorkerProcess, task: Task, reply: Reply | None = None
+    ) -> SendFailedError | str | None:
+        """Send `task` (and the `reply` its worker is to write) to `proc`: None once sent,
         SendFailedError if nothing went out, or why the process is lost."""
         if task.job.started_at is None:
             task.job.started_at = time.perf_counter()
@@ -363,9 +363,10 @@ class Dispatcher:
             task.spec,
             buffers=tuple(BufferUse(b.id, b.nbytes, b in fresh, b.populate) for b in task.buffers),
             forget=forget,
+            reply=None if reply is None else reply.frame,
         )
         try:
-            proc.send(RunTask(task.id, spec), [b.fd for b in fresh])
+            proc.send(RunTask(task.id, spec), [b.fd for b in fresh] + ([reply.fd] if reply else []))
         except SendFailedError as exc:
             log.warning("worker %d: could not send a task: %s", self.slot.id, exc)
             return exc

@@ -19,7 +19,7 @@ import torch
 from ._messages import TaskSpec
 from ._shm import BufferCache, SharedBuffer
 
-__all__ = ["Outputs", "PoolJob", "PoolResult", "Task", "TaskQueue"]
+__all__ = ["Outputs", "PoolJob", "PoolResult", "Reply", "Task", "TaskQueue"]
 
 T = TypeVar("T")
 
@@ -29,7 +29,8 @@ class PoolResult:
 
     `release()` hands the memory back for reuse; the tensors must not be used after it. Without
     it the memory is simply freed once the tensors are. Outputs written where the caller said
-    (`Outputs`) stay the caller's: `cache` is None and `release()` does nothing.
+    (`Outputs`) stay the caller's: `cache` is None and `release()` does nothing. `replied`: the
+    worker wrote the job's `Reply`.
     """
 
     def __init__(
@@ -39,8 +40,9 @@ class PoolResult:
         kernel: str,
         buffer: SharedBuffer,
         cache: BufferCache | None,
+        replied: bool = False,
     ) -> None:
-        self.out, self.lse, self.kernel = out, lse, kernel
+        self.out, self.lse, self.kernel, self.replied = out, lse, kernel, replied
         self._buffer: SharedBuffer | None = buffer
         self._cache = cache
 
@@ -53,6 +55,18 @@ class PoolResult:
 #: where a job's results are to be written: a buffer, and out `[Tq, H, Dv]` and lse `[H, Tq]`
 #: fp32 (or None) as views of it
 Outputs = tuple[SharedBuffer, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A frame for the worker to write to the caller's socket `fd` once the job's work is done,
+    before it tells the pool: the caller is answered with no hop back through this process. Only
+    a job run from the loop's thread on one worker is answered so (`submit_batch(loop=)`, where
+    `fd` stays open while the task is sent); `PoolResult.replied` says whether it was. A worker
+    that cannot write the whole frame at once shuts the socket down: never half a reply."""
+
+    fd: int
+    frame: bytes
 
 
 @dataclass(eq=False)
@@ -69,6 +83,7 @@ class PoolJob:
     _finish: Callable[[PoolJob], None] | None = None
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
+    replied: bool = False  # its worker wrote its Reply
 
     @property
     def future(self) -> Future[PoolResult]:

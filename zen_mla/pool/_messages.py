@@ -72,7 +72,9 @@ class BufferUse:
 @dataclass(frozen=True)
 class TaskSpec:
     """One worker's share of a batch: `pieces` of it over `q`, `k`, `v`, written to `out` (and
-    `lse`). `forget`: buffer ids the worker is to unmap (freed by the supervisor)."""
+    `lse`). `forget`: buffer ids the worker is to unmap (freed by the supervisor). `reply`: a
+    frame the worker writes, once the task is done and before its `Done`, to the socket whose
+    descriptor rides last with the message (the caller's, answered with no hop back here)."""
 
     kernel: str
     causal: bool
@@ -85,6 +87,7 @@ class TaskSpec:
     pieces: tuple[Piece, ...] = ()
     buffers: tuple[BufferUse, ...] = ()
     forget: tuple[int, ...] = ()
+    reply: bytes | None = None
 
 
 # -- supervisor -> worker --------------------------------------------------------------------
@@ -92,7 +95,8 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class RunTask:
-    """Run `spec`; one descriptor is attached per `spec.buffers` entry marked `sent`, in order."""
+    """Run `spec`; one descriptor is attached per `spec.buffers` entry marked `sent`, in order,
+    then the reply's socket where `spec.reply` is set."""
 
     task_id: int
     spec: TaskSpec
@@ -115,6 +119,8 @@ class Ready:
 
 @dataclass(frozen=True)
 class Done:
+    """The task is done (and its `spec.reply` written, where it had one)."""
+
     task_id: int
 
 

@@ -23,7 +23,7 @@ from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._direct import DirectRun
 from ._dispatch import Dispatcher
-from ._job import Outputs, PoolJob, PoolResult, Task
+from ._job import Outputs, PoolJob, PoolResult, Reply, Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
@@ -187,6 +187,7 @@ class WorkerPool:
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
         outputs: Outputs | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        reply: Reply | None = None,
     ) -> PoolJob:
         """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
         are read in place (else copied into shared memory once); `outputs` says where `out` and
@@ -194,7 +195,8 @@ class WorkerPool:
 
         `loop`: the running event loop, when called from its thread. A batch that is one task
         then goes straight to an idle worker from this thread, and its answer is read here
-        too (`_direct`); the job completes in the loop's thread."""
+        too (`_direct`); the job completes in the loop's thread. `reply`: written by that
+        worker once the work is done (`Reply`); a batch queued instead is never answered so."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
@@ -249,7 +251,7 @@ class WorkerPool:
         def finish(j: PoolJob) -> None:
             if staging is not None:
                 self._cache.put(staging)
-            j._succeed(PoolResult(out, lse, kernel, out_buf, cache))
+            j._succeed(PoolResult(out, lse, kernel, out_buf, cache, j.replied))
 
         job._pending = len(tasks)
         job._finish = finish
@@ -261,20 +263,20 @@ class WorkerPool:
                 raise PoolClosedError("the worker pool is shut down")
             self._jobs.add(job)
         job.future.add_done_callback(lambda future: self._settled(job, future.cancelled()))
-        if loop is not None and len(tasks) == 1 and self._run_direct(tasks[0], loop):
+        if loop is not None and len(tasks) == 1 and self._run_direct(tasks[0], loop, reply):
             return job
         # the plan's i-th share goes to the least-loaded worker, biggest share first
         for task in sorted(tasks, key=lambda t: -t.cost):
             self._enqueue(task)
         return job
 
-    def _run_direct(self, task: Task, loop: asyncio.AbstractEventLoop) -> bool:
+    def _run_direct(self, task: Task, loop: asyncio.AbstractEventLoop, reply: Reply | None) -> bool:
         """Run `task` on the least-loaded worker from `loop`'s thread if that worker is idle
         with nothing queued (`_direct`); False: queue it as usual."""
         with self._place_lock:
             d = min(self._dispatchers, key=lambda o: (o.state != "idle", o.queue.load))
             proc = d.lend(task)
-        return proc is not None and DirectRun(d, proc, task, loop).start()
+        return proc is not None and DirectRun(d, proc, task, loop, reply).start()
 
     def _settled(self, job: PoolJob, cancelled: bool) -> None:
         if cancelled:  # abandoned: stop the workers busy with it, their CCXs are free at once

@@ -8,6 +8,7 @@ first, then imports torch (tests/pool/test_pool_imports.py checks the chain).
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import mmap
 import os
@@ -120,9 +121,11 @@ def main(
 ) -> None:
     """Entry point of a spawned worker. Messages (`_messages`, never tensor bytes):
 
-    in:  `RunTask` with one descriptor attached per `spec.buffers` entry marked sent, in order;
-         `Stop`. `spec.forget`: buffers to unmap.
-    out: `Ready`; `Done`; `Failed`; `Beat` every `beat_interval` s from the watchdog thread.
+    in:  `RunTask` with one descriptor attached per `spec.buffers` entry marked sent, in order,
+         then the socket `spec.reply` is written to, where set; `Stop`. `spec.forget`: buffers
+         to unmap.
+    out: `Ready`; `Done` (after `spec.reply` is written); `Failed`; `Beat` every
+         `beat_interval` s from the watchdog thread.
 
     After `Failed` the worker keeps none of the task's buffers mapped; the supervisor sends
     their descriptors again when it next needs them.
@@ -162,8 +165,9 @@ def main(
             maps.pop(buf_id, None)
         try:
             fresh = [b for b in spec.buffers if b.sent]
-            if len(fds) != len(fresh):
-                raise OSError(f"{len(fresh)} shared buffers sent, {len(fds)} arrived")
+            wanted = len(fresh) + (spec.reply is not None)
+            if len(fds) != wanted:
+                raise OSError(f"{wanted} descriptors sent, {len(fds)} arrived")
             for b in fresh:
                 maps[b.id] = _map(fds.pop(0), b.nbytes, b.populate)  # _map owns the descriptor
             _run(spec, maps)
@@ -174,7 +178,30 @@ def main(
                 maps.pop(b.id, None)
             sender.send(Failed(msg.task_id, *parts_of(exc)))
         else:
+            if spec.reply is not None:
+                _reply(fds.pop(0), spec.reply)
             sender.send(Done(msg.task_id))
+
+
+def _reply(fd: int, frame: bytes) -> None:
+    """`frame` written to the caller's socket `fd` (closed here) at once, whole or not at all:
+    a socket that takes less (a caller that does not read its replies) is shut down, as the
+    service ends such a connection; one whose caller is gone is left."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket: nothing to answer on
+        os.close(fd)
+        return
+    with sock:
+        try:
+            sent = sock.send(frame, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return  # the caller hung up
+        if sent < len(frame):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def _map(fd: int, nbytes: int, populate: bool) -> Any:

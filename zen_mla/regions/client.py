@@ -37,9 +37,18 @@ from ..wire import regions_json
 from ..wire.dtypes import BY_TORCH
 from ..wire.regions_json import TensorPlace
 from .memfd import create_sealed_memfd
-from .protocol import FrameError, decode_object, encode_frame, recv_frame, send_frame
+from .protocol import (
+    CALL_ROOM,
+    MAX_MESSAGE,
+    FrameError,
+    call_fields,
+    decode_object,
+    numbered,
+    recv_frame,
+    send_frame,
+)
 
-__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet", "call_frame"]
+__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet", "prefill_fields"]
 
 ALIGN = 64
 MIN_SCRATCH = 16 << 20
@@ -63,6 +72,7 @@ class RegionClient:
     def __init__(self, path: str, token: str | None, timeout: float = 10.0) -> None:
         self._lock = threading.Lock()
         self._timeout = timeout
+        self._calls = 0  # prefill calls numbered on this connection
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -89,30 +99,41 @@ class RegionClient:
             raise _refusal(reply)
         return reply
 
-    def try_call(self, frame: bytes, timeout: float | None) -> dict[str, Any] | None:
-        """One prefill call's exchange (`frame`: `call_frame`'s), its reply as it came (the
-        caller reads it), waiting at most `timeout` seconds (None: as long as it takes); None,
-        without a byte sent, while another exchange holds the connection (the service answers
-        one call per connection at a time: the caller goes another way)."""
-        if not self._lock.acquire(blocking=False):
+    def try_call(self, fields: bytes, timeout: float | None) -> dict[str, Any] | None:
+        """One prefill call's exchange (`fields`: `prefill_fields`'s, numbered here), its
+        reply as it came (the caller reads it), waiting at most `timeout` seconds (None: as
+        long as it takes); None, without a byte sent, while another exchange holds the
+        connection (the service answers one call per connection at a time) or when the frame
+        would pass the service's cap: the caller goes another way."""
+        if len(fields) + CALL_ROOM > MAX_MESSAGE or not self._lock.acquire(blocking=False):
             return None
         try:
-            return self._exchange(frame, None, timeout)
+            self._calls += 1
+            return self._exchange(numbered(self._calls, fields), None, timeout, self._calls)
         finally:
             self._lock.release()
 
     def _exchange(
-        self, message: dict[str, Any] | bytes, fd: int | None, timeout: float | None
+        self,
+        message: dict[str, Any] | bytes,
+        fd: int | None,
+        timeout: float | None,
+        call: int | None = None,
     ) -> dict[str, Any]:
         """Send, then read the reply by `timeout`; the lock held. A failure closes the
-        connection: a reply may still be on its way, and would be taken for the next one's."""
+        connection: a reply may still be on its way, and would be taken for the next one's.
+        A reply numbered for another `call` than this one is passed over (an earlier call's:
+        its worker wrote one as the service answered it past its deadline)."""
         try:
             if timeout is not None and timeout <= 0:
                 raise TimeoutError
             deadline = None if timeout is None else time.monotonic() + timeout
             self._sock.settimeout(timeout)
             send_frame(self._sock, message, fd)
-            return recv_frame(self._sock, deadline, decode_object)
+            while True:
+                reply = recv_frame(self._sock, deadline, decode_object)
+                if call is None or reply.get("call", call) == call:
+                    return reply
         except TimeoutError as exc:
             self._sock.close()
             raise DeadlineExceededError(
@@ -139,22 +160,21 @@ class RegionClient:
         self._sock.close()  # the service drops every region of this connection
 
 
-def call_frame(places: Mapping[str, TensorPlace], options: Mapping[str, str]) -> bytes:
-    """The `prefill` frame of a request naming `places`, with `options` (the regions JSON in
-    a frame). An orchestrator sends the same one layer after layer: the last
-    `FRAMES_KEPT` made are kept (~10 us of JSON a frame, ~1 us kept)."""
-    return _call_frame(tuple(places.items()), tuple(options.items()))
+def prefill_fields(places: Mapping[str, TensorPlace], options: Mapping[str, str]) -> bytes:
+    """The fields of the `prefill` frame of a request naming `places`, with `options` (the
+    regions JSON; `RegionClient.try_call` numbers it). An orchestrator sends the same ones
+    layer after layer: the last `FRAMES_KEPT` made are kept (~10 us of JSON, ~1 us kept)."""
+    return _prefill_fields(tuple(places.items()), tuple(options.items()))
 
 
 FRAMES_KEPT = 64
 
 
 @functools.lru_cache(maxsize=FRAMES_KEPT)
-def _call_frame(
+def _prefill_fields(
     places: tuple[tuple[str, TensorPlace], ...], options: tuple[tuple[str, str], ...]
 ) -> bytes:
-    body = regions_json.encode(dict(places), dict(options)).decode()
-    return encode_frame({"op": "prefill", "body": body})
+    return call_fields({"body": regions_json.encode(dict(places), dict(options)).decode()})
 
 
 def _refusal(reply: dict[str, Any]) -> ZenMLAError:

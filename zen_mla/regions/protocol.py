@@ -5,11 +5,13 @@ few flat fields; a `register` message carries one descriptor (SCM_RIGHTS) in the
     {"op": "hello", "token": "..."}    ->    {"ok": true, "max_regions": 64, "max_bytes": ...}
     {"op": "register"} + memfd         ->    {"ok": true, "region": "<handle>", "nbytes": N}
     {"op": "unregister", "region": h}  ->    {"ok": true}
+    {"op": "prefill", "call": n, ...}  ->    {"ok": true, "call": n, ...} (service/routes/calls.py)
     anything wrong                     ->    {"ok": false, "status": 4xx, "error": "..."}
 
 `hello` comes first, also without a token. One request at a time per connection; the reply
 comes before the next request is read. Closing the connection ends every region registered
-over it.
+over it. A call's reply carries its number: a worker may write it while the service answers
+the same call past its deadline, and the client passes over a reply to an earlier call.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "CALL_ROOM",
     "MAX_FIELDS",
     "MAX_MESSAGE",
     "FrameError",
     "FrameReader",
+    "call_fields",
     "decode_message",
     "decode_object",
+    "descriptors",
     "encode_frame",
+    "numbered",
     "recv_frame",
     "send_frame",
 ]
@@ -36,6 +42,9 @@ __all__ = [
 MAX_MESSAGE = 64 << 10
 MAX_FIELDS = 16
 _LEN = struct.Struct(">I")
+_CALL = b'{"op":"prefill","call":'
+#: what a call's frame holds beside its fields: its length, its head and its number
+CALL_ROOM = _LEN.size + len(_CALL) + 20
 _FLAT = f"a JSON object of at most {MAX_FIELDS} fields, each a string, number, bool or null"
 
 
@@ -49,6 +58,18 @@ class FrameError(ValueError):
 
 def encode_frame(message: dict[str, Any]) -> bytes:
     data = json.dumps(message, separators=(",", ":")).encode()
+    return _LEN.pack(len(data)) + data
+
+
+def call_fields(fields: dict[str, Any]) -> bytes:
+    """A `prefill` frame's JSON but its op and number (`numbered` completes it): what a client
+    keeps and sends again, layer after layer."""
+    return b"," + json.dumps(fields, separators=(",", ":")).encode()[1:]
+
+
+def numbered(call: int, fields: bytes) -> bytes:
+    """The frame of call number `call` with `fields` (`call_fields`'s)."""
+    data = b"%s%d%s" % (_CALL, call, fields)
     return _LEN.pack(len(data)) + data
 
 
@@ -119,6 +140,16 @@ def decode_message(raw: bytes) -> dict[str, Any]:
     if len(message) > MAX_FIELDS or any(isinstance(v, (dict, list)) for v in message.values()):
         raise FrameError(400, f"expected {_FLAT}, got {len(message)} fields or nested values")
     return message
+
+
+def descriptors(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors a message's SCM_RIGHTS ancillary data carried."""
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += [int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)]
+    return fds
 
 
 def send_frame(sock: socket.socket, message: dict[str, Any] | bytes, fd: int | None = None) -> None:

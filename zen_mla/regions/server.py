@@ -12,9 +12,10 @@ connection holds at most one pending descriptor, and only a `register` frame may
 idle authenticated connection stays open: it is the lifetime of its client's regions.
 
 Where the service passes a `calls` hook, a connection that said hello may also send a `prefill`
-frame (a call, with no HTTP on its way): the hook answers it. While a call runs, the connection
-is not read (a second frame waits in the socket until the reply is sent); it is only watched
-for its end (a peek), which the hook sees as `gone` resolving.
+frame (a call, with no HTTP on its way): the hook answers it, or has a worker write the reply
+to the connection's descriptor itself. While a call runs, the connection is not read (a second
+frame waits in the socket until the call is over); it is only watched for its end (a peek),
+which the hook sees as `gone` resolving.
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ from ..errors import (
     ZenMLAError,
     status_of,
 )
-from .protocol import FrameError, FrameReader, encode_frame
+from .protocol import FrameError, FrameReader, descriptors, encode_frame
 from .registry import Region, RegionRegistry
 
 __all__ = ["Calls", "RegionServer"]
 
 #: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
-#: hangs up) -> the reply frame
-Calls = Callable[[dict[str, Any], "asyncio.Future[None]"], Awaitable[dict[str, Any]]]
+#: hangs up, the connection's descriptor) -> the reply, or None where a worker wrote it to the
+#: descriptor itself (whole, or the connection shut down)
+Calls = Callable[[dict[str, Any], "asyncio.Future[None]", int], Awaitable[dict[str, Any] | None]]
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -229,7 +231,7 @@ class RegionServer:
         self, client: _Client, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int
     ) -> bool:
         """One read's descriptor, end and frame timer; False when the connection ended."""
-        fds = _descriptors(ancdata)
+        fds = descriptors(ancdata)  # at most two fit in _CMSG_SPACE
         if fds:
             many = len(fds) > 1 or client.fd is not None
             if client.fd is None:
@@ -315,7 +317,7 @@ class RegionServer:
         gone: asyncio.Future[None],
     ) -> None:
         try:
-            reply = await calls(message, gone)
+            reply = await calls(message, gone, client.sock.fileno())
         except Exception:  # the hook answers its errors; a bug costs this connection only
             log.exception("region socket: client %d's call", client.id)
             reply = _refusal(500, "the region socket failed on this call")
@@ -328,7 +330,8 @@ class RegionServer:
             assert self._loop is not None
             client.paused = False
             self._loop.add_reader(client.sock.fileno(), self._readable, client)
-        self._send(client, reply)
+        if reply is not None:
+            self._send(client, reply)
 
     def _watch(self, client: _Client) -> None:
         """While a call runs: whether the client ended (a peek, nothing read). A next frame
@@ -383,17 +386,9 @@ class RegionServer:
             os.close(client.fd)
             client.fd = None
         self.registry.drop(client.regions)
+        with contextlib.suppress(OSError):  # ended, should a worker still hold it (a reply)
+            client.sock.shutdown(socket.SHUT_RDWR)
         client.sock.close()
-
-
-def _descriptors(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
-    """The descriptors an SCM_RIGHTS message carried (at most two fit in _CMSG_SPACE)."""
-    fds: list[int] = []
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            usable = len(payload) - len(payload) % 4
-            fds += [int.from_bytes(payload[i : i + 4], "little") for i in range(0, usable, 4)]
-    return fds
 
 
 def _refusal(status: int, error: str) -> dict[str, Any]:
