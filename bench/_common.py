@@ -1,7 +1,9 @@
-"""Shared pieces of the benchmark scripts: the contract's reference batches, timing, tables."""
+"""Shared pieces of the benchmark scripts: the contract's reference batches, timing, tables, the
+CPUs a benchmark and its service run on."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -90,3 +92,23 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def split_cpus(service: str | None) -> tuple[int, ...] | None:
+    """`--service-cpus`: the CPUs the service is to run on (a comma list, or "half": the upper
+    half of this process's), this process then pinned to the others and its torch threads to
+    their count, as an orchestrator and the service sit on a GPU node (each on cores of its
+    own); None (both on every CPU) without it."""
+    if service is None:
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    if service == "half":
+        chosen = tuple(mine[len(mine) // 2 :])
+    else:
+        chosen = tuple(int(x) for x in service.split(","))
+    rest = [x for x in mine if x not in chosen]
+    if not chosen or not rest or not set(chosen) <= set(mine):
+        raise SystemExit(f"--service-cpus {service}: expected some of {mine}, not all")
+    os.sched_setaffinity(0, rest)
+    torch.set_num_threads(len(rest))
+    return chosen

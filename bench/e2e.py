@@ -75,8 +75,12 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 def start_server(
-    http: str, uds: str | None = None, system_shm: bool = False
+    http: str,
+    uds: str | None = None,
+    system_shm: bool = False,
+    cpus: tuple[int, ...] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """`zen-mla serve` (on `cpus` only, where given: its workers find those), ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -100,6 +104,7 @@ def start_server(
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     url = "http://zen-mla" if uds else f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

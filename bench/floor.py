@@ -1,7 +1,7 @@
 """The call floor: what one prefill call costs beyond its kernel, part by part, for 1 and 256
 tokens (H=16, Dqk=192, Dv=128, bf16, causal), paired medians from one run.
 
-    .venv/bin/python bench/floor.py [--reps 200]
+    .venv/bin/python bench/floor.py [--reps 200] [--service-cpus half]
 
 Parts, each measured on its own, in this process unless it says otherwise:
 - kernel: `ragged_attention` in process (what an orchestrator would pay computing itself);
@@ -15,7 +15,9 @@ Parts, each measured on its own, in this process unless it says otherwise:
 - regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy), the
   regions JSON over HTTP (POST /prefill) and as a call on the region socket (no HTTP), which
   the client takes whenever the service offers it.
-Starts one `zen-mla serve --workers 1` on a free loopback port and stops it.
+Starts one `zen-mla serve --workers 1` on a free loopback port and stops it. `--service-cpus`
+puts the service (and the engine rows' worker) on some CPUs and this process on the others, as
+an orchestrator and the service sit on a GPU node; without it all share every CPU.
 """
 
 from __future__ import annotations
@@ -68,14 +70,24 @@ def tensors(tokens: int, make=torch.randn) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument(
+        "--service-cpus",
+        help='the service on these CPUs ("1,3", or "half"), this process on the others',
+    )
     args = parser.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
+    service_cpus = c.split_cpus(args.service_cpus)
     rows: dict[str, dict[int, float]] = {}
 
     def put(part: str, tokens: int, ms: float) -> None:
         rows.setdefault(part, {})[tokens] = ms
 
-    with PrefillEngine(EngineConfig(PoolConfig(workers=1))) as engine:
+    caller = os.sched_getaffinity(0)
+    if service_cpus is not None:  # the engine's worker finds the service's CPUs, not ours
+        os.sched_setaffinity(0, service_cpus)
+    engine = PrefillEngine(EngineConfig(PoolConfig(workers=1)))
+    os.sched_setaffinity(0, caller)
+    with engine:
         for n in TOKENS:
             t = tensors(n)
             put(
@@ -111,7 +123,7 @@ def main() -> None:
 
             put("engine from an event loop (direct)", n, asyncio.run(timed_from_loop()))
 
-    proc, url = start_server("httptools")
+    proc, url = start_server("httptools", cpus=service_cpus)
     try:
         with httpx.Client(base_url=url) as h:
             put(

@@ -2,7 +2,7 @@
 DeepSeek-V3 makes them) through `zen_mla.vllm`'s backend, against the same calls computed in
 process, on each path the client can take to a local server.
 
-    .venv/bin/python bench/step.py [--reps 5]
+    .venv/bin/python bench/step.py [--reps 5] [--service-cpus half]
 
 Steps (H=16, Dqk=192, Dv=128, bf16; the same tensors every layer):
 - `256 new`: run_prefill_new_tokens over 1 x 256 new tokens (causal);
@@ -13,7 +13,9 @@ Steps (H=16, Dqk=192, Dv=128, bf16; the same tensors every layer):
 Paths: `in process` (ragged_attention + merge here), `tcp` (a safetensors body), `regions over
 HTTP` (the regions JSON in a POST /prefill), `regions call` (the same on the region socket, no
 HTTP). One `zen-mla serve --workers 1` on a free loopback port; paired medians (the paths
-interleaved rep by rep). Prints a Markdown table; writes bench/out/step.png.
+interleaved rep by rep). `--service-cpus` puts the service on some CPUs and this process (the
+orchestrator, and in process its kernels) on the others; without it all share every CPU.
+Prints a Markdown table; writes bench/out/step.png.
 """
 
 from __future__ import annotations
@@ -131,9 +133,14 @@ def plot(ratios: dict[str, dict[str, float]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--service-cpus",
+        help='the service on these CPUs ("1,3", or "half"), this process on the others',
+    )
     args = parser.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    proc, url = start_server("httptools")
+    service_cpus = c.split_cpus(args.service_cpus)
+    proc, url = start_server("httptools", cpus=service_cpus)
     try:
         backend = backend_class()(
             c.H, SCALE, 512, 128, 64, c.DV, None, settings=RemoteSettings(urls=(url,))
