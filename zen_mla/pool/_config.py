@@ -23,6 +23,12 @@ class PoolConfig:
     more than the compute they share (a kernel call costs about 0.07 ms before any work, and
     2^17 head-pairs of MLA work take about 0.7 ms on one Zen 5 core), so a small call runs
     whole on one worker. With one worker nothing is split.
+
+    `min_thread_cost`: a task of less work runs on one of its worker's threads. Waking the
+    others costs more than they share below it, and they spin afterwards on cores the caller
+    may need (region calls paired on 2 vCPUs shared with the caller, Zen 5: 1 and 16 tokens of
+    16 heads 12-22 % faster on one thread, 64 tokens (2^15 head-pairs) 0.87-1.02x across runs,
+    128 tokens (2^17) 21 % slower).
     """
 
     workers: int | None = None
@@ -32,4 +38,5 @@ class PoolConfig:
     start_timeout: float = 180.0
     cache_bytes: int = 1 << 30
     min_piece_cost: int = 1 << 17
+    min_thread_cost: int = 1 << 16
     sysfs: Path = SYSFS

@@ -72,9 +72,10 @@ class BufferUse:
 @dataclass(frozen=True)
 class TaskSpec:
     """One worker's share of a batch: `pieces` of it over `q`, `k`, `v`, written to `out` (and
-    `lse`). `forget`: buffer ids the worker is to unmap (freed by the supervisor). `reply`: a
-    frame the worker writes, once the task is done and before its `Done`, to the socket whose
-    descriptor rides last with the message (the caller's, answered with no hop back here)."""
+    `lse`), on `threads` of the worker's (0: all of them). `forget`: buffer ids the worker is to
+    unmap (freed by the supervisor). `reply`: a frame the worker writes, once the task is done
+    and before its `Done`, to the socket whose descriptor rides last with the message (the
+    caller's, answered with no hop back here)."""
 
     kernel: str
     causal: bool
@@ -88,6 +89,7 @@ class TaskSpec:
     buffers: tuple[BufferUse, ...] = ()
     forget: tuple[int, ...] = ()
     reply: bytes | None = None
+    threads: int = 0
 
 
 # -- supervisor -> worker --------------------------------------------------------------------

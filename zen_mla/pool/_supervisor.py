@@ -236,17 +236,14 @@ class WorkerPool:
             len(self._dispatchers),
             self.config.min_piece_cost,
         )
-        tasks = [
-            Task(
-                next(self._ids),
-                job,
-                replace(common, pieces=tuple(pieces)),
-                buffers,
-                sum(p.cost for p in pieces),
-            )
-            for pieces in plan
-            if pieces
-        ]
+        tasks = []
+        for pieces in plan:
+            if not pieces:
+                continue
+            cost = sum(p.cost for p in pieces)
+            threads = 1 if cost < self.config.min_thread_cost else 0  # 0: all the worker's
+            spec = replace(common, pieces=tuple(pieces), threads=threads)
+            tasks.append(Task(next(self._ids), job, spec, buffers, cost))
 
         def finish(j: PoolJob) -> None:
             if staging is not None:

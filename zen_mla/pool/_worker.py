@@ -142,6 +142,7 @@ def main(
     import torch
 
     torch.set_num_threads(threads)
+    running = threads  # the threads the kernels run on now (a small task's: one)
     if warm_zentorch:
         from zen_mla.attention.kernels.zentorch import zentorch_op
 
@@ -170,6 +171,9 @@ def main(
                 raise OSError(f"{wanted} descriptors sent, {len(fds)} arrived")
             for b in fresh:
                 maps[b.id] = _map(fds.pop(0), b.nbytes, b.populate)  # _map owns the descriptor
+            if (spec.threads or threads) != running:
+                running = spec.threads or threads
+                torch.set_num_threads(running)
             _run(spec, maps)
         except Exception as exc:  # reported, never fatal: the next task gets a clean slate
             for fd in fds:
