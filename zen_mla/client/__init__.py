@@ -19,13 +19,15 @@ overloaded endpoint is passed over for another.
 
 On the service's host, tensors need not cross a socket: with `shared_memory=None` (the default)
 the client uses same-host regions wherever the service offers them and their socket can be
-reached from here, `True` requires them, `False` never uses them. A request's tensors are then
-copied once into a region the client holds (or not at all, for tensors made with `empty()`),
-and the workers read them and write the results there.
+reached from here, `True` requires them, `False` never uses them (asked again while the service
+starts, and once it restarted: `_offers`). A request's tensors are then copied once into a
+region the client holds (or not at all, for tensors made with `empty()`), and the workers read
+them and write the results there.
 
 The modules behind it: `_base` (all the twins share: the request, the deadline, endpoints,
-retries), `_answers` (answers read and checked, problems as exceptions), `_sync` and `_async`
-(their I/O), `_transport` (the blocking client's sockets, bounded by the call's deadline).
+retries), `_answers` (answers read and checked, problems as exceptions), `_offers` (each
+endpoint's same-host regions, and when to ask again), `_sync` and `_async` (their I/O),
+`_transport` (the blocking client's sockets, bounded by the call's deadline).
 """
 
 from ._async import AsyncPrefillClient

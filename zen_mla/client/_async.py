@@ -67,7 +67,7 @@ class AsyncPrefillClient(BaseClient):
         self._regions_lock = asyncio.Lock()  # guards self._regions
 
     async def regions(self, i: int = 0) -> RegionSet | None:
-        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        """As `PrefillClient.regions`."""
         deadline = self._deadline()
         async with _async_call(deadline):
             with Translated(deadline, i):
@@ -77,10 +77,11 @@ class AsyncPrefillClient(BaseClient):
         if self._shared_memory is False:
             return None
         async with self._regions_lock:
-            if i not in self._regions:
+            offer = self._regions.get(i)
+            if offer is None or not offer.current():
                 status, _, body = await self._send(i, HEALTH, deadline)
-                self._regions[i] = await asyncio.to_thread(self._offered_regions, status, body)
-            return self._regions[i]
+                offer = self._regions[i] = await asyncio.to_thread(self._offered, status, body)
+            return offer.regions
 
     async def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """As `PrefillClient.empty`."""

@@ -21,17 +21,17 @@ from ..errors import (
     DeadlineExceededError,
     InvalidInputError,
     OverloadedError,
-    ProtocolError,
     ServiceUnavailableError,
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ..regions.client import Layout, RegionClient, RegionSet, prefill_fields
+from ..regions.client import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
-from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded, health_json
+from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded
 from ._deadline import Deadline, call_budget
 from ._memory import AnswerMemory
+from ._offers import Offer, offered
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -326,7 +326,7 @@ class BaseClient:
         self._budget = call_budget(timeout)
         self._shared_memory = shared_memory
         # per endpoint: its regions, None where there are none, missing until first asked
-        self._regions: dict[int, RegionSet | None] = {}
+        self._regions: dict[int, Offer] = {}  # per endpoint, asked again once not current
         self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
 
     def _auth(self, headers: dict[str, str]) -> dict[str, str]:
@@ -359,35 +359,14 @@ class BaseClient:
         work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
         return Call(tensors, options, outputs, work, self)
 
-    def _offered_regions(self, status: int, body: Bytes) -> RegionSet | None:
-        """The same-host regions of the service whose /health answer this is, or None where they
-        cannot be had (SharedMemoryUnavailableError instead when required). The region socket
-        must answer with the instance /health names: a path that exists here may belong to
-        another service than the one at this URL. Blocking: it connects to the region socket."""
+    def _offered(self, status: int, body: Bytes) -> Offer:
+        """The regions a /health answer offers (`_offers.offered`). Blocking."""
         timeout = min(REGION_TIMEOUT, self._budget or REGION_TIMEOUT)
-        try:
-            try:
-                offer = health_json(status, body).get("shared_memory")
-            except ProtocolError as exc:
-                raise SharedMemoryUnavailableError(f"no regions offered: {exc}") from exc
-            if not isinstance(offer, dict) or not offer.get("socket"):
-                raise SharedMemoryUnavailableError("the service offers no shared memory")
-            client = RegionClient(str(offer["socket"]), self._token, timeout)
-            if client.hello.get("instance") != offer.get("instance"):
-                client.close()
-                raise SharedMemoryUnavailableError(
-                    f"the region socket {offer['socket']} belongs to another service "
-                    "(not this host's?)"
-                )
-        except SharedMemoryUnavailableError:
-            if self._shared_memory:
-                raise
-            return None
-        return RegionSet(client)
+        return offered(status, body, self._token, timeout, bool(self._shared_memory))
 
     def _close_memory(self) -> None:
         """The regions closed, and no answer memory kept any more."""
         self._answer_memory.close()
-        for regions in self._regions.values():
-            if regions is not None:
-                regions.close()
+        for offer in self._regions.values():
+            if offer.regions is not None:
+                offer.regions.close()

@@ -54,7 +54,8 @@ class PrefillClient(BaseClient):
         self._regions_lock = threading.Lock()  # guards self._regions
 
     def regions(self, i: int = 0) -> RegionSet | None:
-        """Endpoint `i`'s same-host regions (asked for once), None where not used."""
+        """Endpoint `i`'s same-host regions, None where not used (asked for again while the
+        service starts, and after it restarted: `_offers`)."""
         deadline = self._deadline()
         with sync_call(deadline), Translated(deadline, i):
             return self._regions_for(i, deadline)
@@ -63,10 +64,11 @@ class PrefillClient(BaseClient):
         if self._shared_memory is False:
             return None
         with self._regions_lock:
-            if i not in self._regions:
+            offer = self._regions.get(i)
+            if offer is None or not offer.current():
                 status, _, body = self._send(i, HEALTH, deadline)
-                self._regions[i] = self._offered_regions(status, body)
-            return self._regions[i]
+                offer = self._regions[i] = self._offered(status, body)
+            return offer.regions
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in a region of the first endpoint's service: fill it and pass it to
