@@ -39,14 +39,12 @@ class RegionWork:
 
 @dataclass(frozen=True, slots=True)
 class _Placed:
-    """What a body resolved to once, but its validation (cu_seq_lens live in the client's
-    memory, and are read again every call): the tensors and where the outputs go."""
+    """What a body resolved to once, and its tensors: all of it holds while its regions stay
+    but `work.prepared`, the validation, made again every call (cu_seq_lens live in the
+    client's memory)."""
 
+    work: RegionWork
     tensors: dict[str, torch.Tensor]
-    inputs: list[SharedBuffer]
-    outputs: Outputs
-    places: dict[str, regions_json.TensorPlace]
-    options: PrefillOptions
 
 
 #: bodies whose resolution is kept (in `RegionRegistry.memo`, emptied whenever a region goes)
@@ -63,12 +61,14 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
     key = ("resolved", bytes(body))
     kept = registry.memo.get(key)
     if isinstance(kept, _Placed):
-        prepared = engine.prepare(kept.tensors, kept.options)
-        return RegionWork(prepared, kept.inputs, kept.outputs, kept.places, kept.options)
+        w = kept.work
+        return RegionWork(
+            engine.prepare(kept.tensors, w.options), w.inputs, w.outputs, w.places, w.options
+        )
     work, tensors = _resolve(body, registry, engine)
     if len(registry.memo) >= RESOLVED_KEPT:
         registry.memo.clear()
-    registry.memo[key] = _Placed(tensors, work.inputs, work.outputs, work.places, work.options)
+    registry.memo[key] = _Placed(work, tensors)
     return work
 
 
