@@ -4,6 +4,7 @@ again at the same URL (tests/service/servers.py picks a new port for each server
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,14 +26,25 @@ def kill(server: Server) -> None:
     server.process.wait()
 
 
-def requests_answered(server: Server) -> int:
-    """The service's own count of prefill calls answered 200 (/metrics): over HTTP
-    (`/prefill`) and on the region socket (same host)."""
-    with server.client() as c:
-        text = c.get("/metrics").text
-    answered = 0
-    for route in ("prefill", "socket"):
-        for line in text.splitlines():
-            if line.startswith(f'zen_mla_requests_total{{route="{route}",status="200"}}'):
-                answered += int(float(line.split()[-1]))
-    return answered
+def requests_answered(
+    server: Server,
+    at_least: int = 0,
+    routes: tuple[str, ...] = ("prefill", "socket"),
+    timeout: float = 10.0,
+) -> int:
+    """The service's own count of prefill calls answered 200 (/metrics) on `routes`: over HTTP
+    (`/prefill`) and on the region socket (same host), once it reaches `at_least` or `timeout`
+    passed: a call its worker answered is counted when the service reads the worker's Done,
+    just after the client has its reply."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with server.client() as c:
+            text = c.get("/metrics").text
+        answered = 0
+        for route in routes:
+            for line in text.splitlines():
+                if line.startswith(f'zen_mla_requests_total{{route="{route}",status="200"}}'):
+                    answered += int(float(line.split()[-1]))
+        if answered >= at_least or time.monotonic() >= deadline:
+            return answered
+        time.sleep(0.02)

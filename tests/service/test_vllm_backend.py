@@ -324,7 +324,7 @@ def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_ag
         with serve_on(port, log) as first:
             _wait_up(b.link)
             step("service")
-            assert requests_answered(first) == 1
+            assert requests_answered(first, 1) == 1
             kill(first)
             step("here")
             step("here")
@@ -332,7 +332,7 @@ def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_ag
         with serve_on(port, log) as second:
             _wait_up(b.link)
             step("service")
-            assert requests_answered(second) == 1
+            assert requests_answered(second, 1) == 1
     said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
     down = [m for m in said if "gave no answer" in m]
     back = [m for m in said if "is back after" in m]
