@@ -298,3 +298,25 @@ def test_cancelling_the_loop_future_cancels_the_job(pool):
 
     asyncio.run(main())
     assert pool.workers()[0]["restarts"] == restarts + 1
+
+
+def test_heartbeats_queued_before_the_answer_are_read_a_turn_each():
+    # The loop's thread is held while the task runs: the worker's heartbeats (one each 0.2 s,
+    # its watchdog's pace) pile up in the pipe ahead of its Done, and the loop then reads them
+    # one message a turn (the pipe stays readable until the last).
+    tensors = _slow(1500)
+    expected = zen_mla.ragged_attention(*tensors, kernel="reference")
+
+    async def main(p: WorkerPool) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            job = _submit(p, tensors, loop, kernel="reference")
+            time.sleep(1.5)  # the loop is blocked: nothing is read meanwhile
+            result = await asyncio.wait_for(asyncio.wrap_future(job.future), 60)
+            assert torch.equal(result.out, expected)
+            result.release()
+
+    with WorkerPool(PoolConfig(workers=1, ping_interval=0.002, ping_timeout=30)) as p:
+        asyncio.run(main(p))
+        assert p.workers()[0]["state"] == "idle"
+        assert p.workers()[0]["restarts"] == 0
