@@ -3,7 +3,7 @@
     zen-mla serve [--host 127.0.0.1] [--port 8000] [--uds PATH] [--workers auto|N] ...
     zen-mla health URL        exit 0 when the service is ready (for container health checks)
     zen-mla status            zentorch and CPU facts of this host
-    zen-mla bench [NAME ...]  run the benchmarks under bench/ (kernel, pool, e2e)
+    zen-mla bench [NAME ...]  run benchmarks under bench/ (kernel, pool, e2e by default)
 
 Every serve flag is also an environment variable ZEN_MLA_<FLAG>; a flag wins over it.
 """
@@ -62,7 +62,9 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("kernel", "pool", "e2e")
+#: every benchmark under bench/ (a script of its own), and those `zen-mla bench` runs unnamed
+BENCHES = ("kernel", "pool", "e2e", "floor", "step", "copies", "vllm_backend", "load")
+DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -72,7 +74,7 @@ def _bench(args: argparse.Namespace) -> int:
             f"zen-mla bench: no bench/ folder at {bench_dir} (run from a checkout)", file=sys.stderr
         )
         return 2
-    names = args.names or list(BENCHES)
+    names = args.names or list(DEFAULT_BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         print(f"zen-mla bench: unknown {unknown}; expected among {list(BENCHES)}", file=sys.stderr)
@@ -149,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=_status)
 
     bench = commands.add_parser("bench", help="run the benchmarks (tables and plots)")
-    bench.add_argument("names", nargs="*", metavar="NAME", help=f"among {', '.join(BENCHES)}")
+    bench.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"among {', '.join(BENCHES)} (default: {', '.join(DEFAULT_BENCHES)})",
+    )
     bench.set_defaults(run=_bench)
     return parser
 
