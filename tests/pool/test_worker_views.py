@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from zen_mla.pool._messages import TensorRef
 from zen_mla.pool._shm import SharedBuffer, tensor_ref
 from zen_mla.pool._worker import VIEWS_KEPT, _Mapped
 
@@ -22,23 +23,25 @@ def _map(mapped: _Mapped, buf: SharedBuffer, as_id: int | None = None) -> None:
     mapped.map(buf.id if as_id is None else as_id, os.dup(buf.fd), buf.nbytes, populate=True)
 
 
-def test_a_view_named_again_is_the_same_tensor_and_reads_the_buffer():
+def _one_kept(value: float) -> tuple[_Mapped, SharedBuffer, torch.Tensor, TensorRef, torch.Tensor]:
+    """A worker's mappings with one buffer filled with `value`, a tensor of it named once: the
+    buffer, the tensor, its ref and the view kept for it."""
     mapped = _Mapped()
-    buf, t = _filled(1.0)
+    buf, t = _filled(value)
     _map(mapped, buf)
     ref = tensor_ref(buf, t)
-    first = mapped.tensor(ref)
+    return mapped, buf, t, ref, mapped.tensor(ref)
+
+
+def test_a_view_named_again_is_the_same_tensor_and_reads_the_buffer():
+    mapped, _, t, ref, first = _one_kept(1.0)
     assert mapped.tensor(ref) is first
     t.fill_(3.0)  # the buffer is shared: the kept view sees what was written since
     assert torch.equal(mapped.tensor(ref), t)
 
 
 def test_no_view_outlives_a_mapping_that_changed():
-    mapped = _Mapped()
-    old, t_old = _filled(1.0)
-    _map(mapped, old)
-    ref = tensor_ref(old, t_old)
-    kept = mapped.tensor(ref)
+    mapped, old, _, ref, kept = _one_kept(1.0)
     # the buffer is forgotten, and another is sent under the same id (as after a Failed task,
     # or a reused id): the tensor named by the same ref must be the new buffer's
     mapped.forget([old.id])
@@ -54,11 +57,7 @@ def test_no_view_outlives_a_mapping_that_changed():
 
 
 def test_forgetting_a_buffer_not_mapped_keeps_the_views():
-    mapped = _Mapped()
-    buf, t = _filled(2.0)
-    _map(mapped, buf)
-    ref = tensor_ref(buf, t)
-    kept = mapped.tensor(ref)
+    mapped, buf, _, ref, kept = _one_kept(2.0)
     mapped.forget([buf.id + 1000])
     assert mapped.tensor(ref) is kept
 
