@@ -26,25 +26,32 @@ def kill(server: Server) -> None:
     server.process.wait()
 
 
+def requests_counted(
+    server: Server, routes: tuple[str, ...] = ("prefill", "socket"), status: int = 200
+) -> int:
+    """The service's own count of prefill calls answered `status` on `routes` (/metrics): over
+    HTTP (`/prefill`) and on the region socket (same host)."""
+    with server.client() as c:
+        text = c.get("/metrics").text
+    counted = 0
+    for route in routes:
+        line = f'zen_mla_requests_total{{route="{route}",status="{status}"}} '
+        counted += sum(int(float(x[len(line) :])) for x in text.splitlines() if x.startswith(line))
+    return counted
+
+
 def requests_answered(
     server: Server,
     at_least: int = 0,
     routes: tuple[str, ...] = ("prefill", "socket"),
     timeout: float = 10.0,
 ) -> int:
-    """The service's own count of prefill calls answered 200 (/metrics) on `routes`: over HTTP
-    (`/prefill`) and on the region socket (same host), once it reaches `at_least` or `timeout`
-    passed: a call its worker answered is counted when the service reads the worker's Done,
-    just after the client has its reply."""
+    """`requests_counted` of 200s once it reaches `at_least` or `timeout` passed: a call its
+    worker answered is counted when the service reads the worker's Done, just after the client
+    has its reply."""
     deadline = time.monotonic() + timeout
     while True:
-        with server.client() as c:
-            text = c.get("/metrics").text
-        answered = 0
-        for route in routes:
-            for line in text.splitlines():
-                if line.startswith(f'zen_mla_requests_total{{route="{route}",status="200"}}'):
-                    answered += int(float(line.split()[-1]))
+        answered = requests_counted(server, routes)
         if answered >= at_least or time.monotonic() >= deadline:
             return answered
         time.sleep(0.02)

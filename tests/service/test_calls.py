@@ -21,7 +21,7 @@ import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import lay_out, region_socket
-from tests.service.restart import requests_answered
+from tests.service.restart import requests_answered, requests_counted
 from tests.service.servers import Server, serve, server_fixture, wait_ready
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.regions.client import ClientRegion, RegionClient, RegionSet
@@ -34,10 +34,7 @@ SPECS = ("ragged", "prefix_cached", "context_chunk", "more_queries_than_keys")
 
 def socket_calls(server: Server, status: int = 200) -> int:
     """How many calls the server answered on the region socket with `status` (its metrics)."""
-    with server.client() as c:
-        text = c.get("/metrics").text
-    line = f'zen_mla_requests_total{{route="socket",status="{status}"}} '
-    return sum(int(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+    return requests_counted(server, ("socket",), status)
 
 
 def long_batch(tokens: int = 12288) -> tuple[torch.Tensor, ...]:

@@ -30,9 +30,8 @@ def test_a_client_keeps_using_regions_across_a_service_restart(tmp_path):
             for _ in range(3):
                 out = client.prefill(q, k, v, q_cu)
                 assert_close_to_reference(q, k, v, q_cu, None, True, out)
-            assert (
-                requests_answered(second, 3, ("socket",)) == 3
-            )  # every one over the new region socket
+            # every one over the new region socket
+            assert requests_answered(second, 3, ("socket",)) == 3
             regions = client.regions(0)
             assert regions is not None and not regions.client.closed
 
