@@ -250,7 +250,8 @@ async def compute(
     """Queue the prepared request (`run(loop=)`: `PrefillEngine.run` with its request bound)
     and wait for it within the deadline, watching the client (`gone` completes when it hangs
     up: `disconnected(request)` for HTTP, the region socket's own for a socket call; it is
-    cancelled once the work is done); the result, and its (queue, compute) seconds. A small
+    cancelled once the work is done; a hang-up while the job's worker holds its reply does not
+    count, see `PrefillJob.replying`); the result, and its (queue, compute) seconds. A small
     request is run from this thread (`loop=`): one small enough for one worker goes straight
     to an idle one, with no thread between."""
     s = state.settings
@@ -267,6 +268,11 @@ async def compute(
     watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
     watch: set[asyncio.Future[Any]] = {waiting, watcher}
     await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done() and job.replying:
+        # Its worker answers the client itself, who may read that answer and hang up before
+        # the worker's Done is read here: the job's outcome decides, within the deadline as
+        # any job's, not the hang-up (which counted answered calls as 499s).
+        await asyncio.wait({waiting})
     if not waiting.done():
         _abandon(state, job, waiting, x)
         raise ClientGoneError

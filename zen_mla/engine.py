@@ -106,6 +106,12 @@ class PrefillJob:
         """`time.perf_counter()` when a worker took its first piece, None before."""
         return self._job.started_at
 
+    @property
+    def replying(self) -> bool:
+        """Its worker holds the `Reply` it was run with: the caller may have its answer before
+        the job is done here."""
+        return self._job.replying
+
     def done(self) -> bool:
         return self._job.done()
 

@@ -204,6 +204,20 @@ def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
         assert_close_to_reference(q, k, v, q_cu, None, True, c.prefill(q, k, v, q_cu))
 
 
+def test_a_client_that_hangs_up_once_its_worker_answered_is_counted_answered(server):
+    """A call its worker answers reaches the client before the service reads the worker's
+    Done; a client that closes its socket at once has had its answer: a 200, never a 499
+    (the last call of a `with PrefillClient(...)` block was counted a hang-up)."""
+    clients = 30
+    hung_up, answered = socket_calls(server, 499), socket_calls(server)
+    q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
+    for _ in range(clients):
+        with PrefillClient(server.url, shared_memory=True) as c:
+            assert_close_to_reference(q, k, v, q_cu, None, True, c.prefill(q, k, v, q_cu))
+    assert requests_answered(server, answered + clients, ("socket",)) - answered == clients
+    assert socket_calls(server, 499) == hung_up
+
+
 def test_a_second_frame_waits_for_the_first_calls_reply(server):
     """One call per connection: a hello sent right behind a long call is answered after it
     (read at once, it would have been answered first)."""

@@ -59,6 +59,8 @@ class DirectRun:
         sent = self._dispatcher.send(self._proc, self._task, self._reply)
         if sent is not None:
             self._end(sent)
+        elif self._reply is not None:
+            self._task.job.replying = True
         return True
 
     def _readable(self) -> None:
@@ -78,6 +80,7 @@ class DirectRun:
         self._end(answer)
 
     def _end(self, outcome: Done | Failed | SendFailedError | str) -> None:
+        self._task.job.replying = False  # done, failed, or lost with its worker
         if self._fd is not None:
             self._loop.remove_reader(self._fd)
             os.close(self._fd)

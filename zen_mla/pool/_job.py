@@ -84,6 +84,7 @@ class PoolJob:
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     replied: bool = False  # its worker wrote its Reply
+    replying: bool = False  # its worker holds its Reply now (sent with the task, not done)
 
     @property
     def future(self) -> Future[PoolResult]:
