@@ -85,6 +85,51 @@ def test_bad_settings_are_refused(env, match):
         RemoteSettings.from_env(env)
 
 
+BAD_URLS = {
+    "no_host": ("http://", "names no host"),
+    "port_only": ("http://:8000", "names no host"),
+    "userinfo_only": ("https://user@", "names no host"),
+    "space": ("http://a b", "a space or a control character"),
+    "tab": ("http://a\tb:8000", "a space or a control character"),
+    "port_not_a_number": ("http://[::1]:notaport", "port must be a number from 1 to 65535"),
+    "port_empty": ("http://cpu-node:", "port must be a number from 1 to 65535"),
+    "port_zero": ("http://cpu-node:0", "port must be a number from 1 to 65535"),
+    "port_too_large": ("http://cpu-node:65536", "port must be a number from 1 to 65535"),
+    "port_signed": ("http://cpu-node:+80", "port must be a number from 1 to 65535"),
+    "port_not_ascii": ("http://cpu-node:\u0663", "port must be a number from 1 to 65535"),
+    "ipv6_unclosed": ("http://[::1:8000", "host is not readable"),
+    "ipv6_empty": ("http://[]:8000", "host is not readable"),
+    "scheme": ("ftp://cpu-node:8000", "scheme must be http:// or https://"),
+}
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS.values(), ids=BAD_URLS.keys())
+def test_a_url_no_call_could_use_is_refused_at_start(url, why):
+    """Refused where the settings are read, naming the variable, rather than every call falling
+    back in silence (or httpx raising its own InvalidURL at the first call)."""
+    with pytest.raises(zen_mla.InvalidInputError, match=r"^ZEN_MLA_URL: expected http") as e:
+        RemoteSettings.from_env({"ZEN_MLA_URL": url})
+    assert why in str(e.value) and repr(url) in str(e.value)
+    with pytest.raises(zen_mla.InvalidInputError, match=r"^ZEN_MLA_URL: "):
+        RemoteSettings.from_env({"ZEN_MLA_URL": f"http://fine:1,{url}"})  # any of several
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000",
+        "https://cpu-node",
+        "http://[::1]:8000",
+        "http://[::1]",
+        "http://cpu-node:8000/zen-mla/",
+        "https://user@cpu-node:65535",
+        "http://localhost:1",
+    ],
+)
+def test_urls_that_are_accepted(url):
+    assert RemoteSettings.from_env({"ZEN_MLA_URL": url}).urls == (url,)
+
+
 @pytest.fixture
 def fresh_settings() -> Iterator[None]:
     vllm.default_settings.cache_clear()
@@ -400,18 +445,27 @@ def test_the_plugin_does_nothing_without_zen_mla_url(monkeypatch, vllm_registry)
     assert vllm_registry.calls == []
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no_amx", "amx"])
 def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
-    monkeypatch, vllm_registry, caplog
+    monkeypatch, vllm_registry, caplog, amx
 ):
+    """One line per registration, and where the CPU has AMX (stood in for here, so that the
+    test says the same on every host) a warning naming the attention backend to choose."""
     monkeypatch.setenv("ZEN_MLA_URL", "http://cpu-node:8000")
+    monkeypatch.setattr(vllm.plugin, "_amx", lambda: amx)
     with caplog.at_level(logging.INFO, logger="zen_mla.vllm"):
         vllm.register()
         vllm.register()  # vLLM may load plugins again: no harm
     path = "zen_mla.vllm.ZenMLARemotePrefillBackend"
     once = [("ZEN_MLA", path), ("ZEN_CPU", path), ("CPU", path)]
     assert vllm_registry.calls == once + once
-    said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
-    assert len(said) == 2 and "CPU platform prefill backends ZEN_CPU and CPU" in said[0]
+    each = [(logging.INFO, "CPU platform prefill backends ZEN_CPU and CPU")]
+    if amx:
+        each.append((logging.WARNING, "unless vLLM runs with --attention-backend CPU_MLA"))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "zen_mla.vllm"]
+    assert len(said) == 2 * len(each), said
+    for (level, line), (want_level, want) in zip(said, each + each, strict=True):
+        assert level == want_level and want in line, line
     module, _, name = path.rpartition(".")
     assert getattr(sys.modules[module], name) is vllm.backend_class()
 

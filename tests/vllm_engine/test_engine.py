@@ -28,6 +28,13 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
 PROMPT = {"prompt_token_ids": list(range(2, 42))}
 
 
+# As README.md tells AMX hosts: vLLM's CPU platform picks AMX_MLA wherever the CPU has AMX
+# (platforms/cpu.py, get_attn_backend_cls), whose prefill calls no prefill backend and which
+# refuses the tiny model's fp32 weights ("expect weight to be bfloat16"); CPU_MLA named here is
+# what the platform picks anyway on a CPU without AMX (and the block size it sets is the same).
+ATTENTION = {"backend": "CPU_MLA"}
+
+
 def engine(model: Path, **kwargs: Any) -> LLM:
     return LLM(
         model=str(model),
@@ -38,6 +45,7 @@ def engine(model: Path, **kwargs: Any) -> LLM:
         max_num_seqs=2,
         gpu_memory_utilization=0.2,
         seed=0,
+        attention_config=ATTENTION,
         **kwargs,
     )
 

@@ -1,7 +1,8 @@
 """How a GPU platform's user selects zen-mla by name, with real vLLM (the GPU itself cannot be
 had here): the plugin's ZEN_MLA entry parses from the CLI and from Python, resolves to the
 backend, and passes the checks vLLM's selector makes before it honours `mla_prefill_backend`
-(selector.py, the branch for platforms other than CPU)."""
+(selector.py, the branch for platforms other than CPU). And on vLLM's CPU platform, the attention
+backend that calls a prefill backend at all: CPU_MLA, named, also where the CPU has AMX."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ def test_it_passes_the_selectors_checks(dtype):
     dims = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     assert cls.validate_configuration(None, MLAPrefillSelectorConfig(dtype, dims)) == []
     assert cls.get_name() == "ZEN_MLA" and cls.is_available() is True
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no_amx", "amx"])
+def test_on_cpu_naming_cpu_mla_gets_it_with_or_without_amx(monkeypatch, amx):
+    """What test_engine.py's engines (and README.md's advice to AMX hosts) rely on: vLLM's CPU
+    platform takes the named CPU_MLA backend, whose prefill calls a prefill backend, over the
+    AMX_MLA it would pick on a CPU with AMX (stood in for here); unnamed, it picks AMX_MLA there
+    and CPU_MLA elsewhere."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    mla = AttentionSelectorConfig(
+        head_size=576, dtype=torch.float32, kv_cache_dtype=None, block_size=None, use_mla=True
+    )
+    named = AttentionConfig(backend="CPU_MLA").backend
+    assert named is AttentionBackendEnum.CPU_MLA
+    cpu_mla, amx_mla = AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA
+    assert CpuPlatform.get_attn_backend_cls(named, mla) == cpu_mla.get_path()
+    unnamed = CpuPlatform.get_attn_backend_cls(None, mla)  # type: ignore[arg-type]
+    assert unnamed == (amx_mla if amx else cpu_mla).get_path()

@@ -5,14 +5,15 @@ the local computation while it is not.
     out, lse = link.prefill(q, k, v, q_cu, kv_cu, causal=False, return_lse=True, scale=s)
 
 While the service answers, every call goes to it. When a call cannot get an answer (the service
-is unreachable, answers 503, 504 or 500, times out, or sends something that is not an answer),
-the link goes down: that call and every one after it is computed here with
-`zen_mla.ragged_attention` (same semantics, same LSE), and a thread probes `/health` after 1,
-2, 4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next call goes to the
-service again. One log line at each change, one per failed probe; `stats` counts the calls.
-A call the service refuses as sent (422 bad input, 401 bad token, 413 too large, ...) is no
-outage: it raises, as it would here. A 429 (queue full) is computed here, the link staying up.
-With `RemoteSettings.fallback` off, a failed call raises instead.
+is unreachable, answers 503, 504 or 500, times out, or sends something that is not an answer:
+the wrong shape or dtype, or NaN or inf from finite inputs), the link goes down: that call and
+every one after it is computed here with `zen_mla.ragged_attention` (same semantics, same LSE),
+and a thread probes `/health` after 1, 2, 4, ... seconds (at most `probe_max_interval_s`) until
+it says ok; the next call goes to the service again. One log line at each change, one per failed
+probe; `stats` counts the calls. A call the service refuses as sent (422 bad input, 401 bad
+token, 413 too large, ...) is no outage: it raises, as it would here. A 429 (queue full) is
+computed here, the link staying up. With `RemoteSettings.fallback` off, a failed call raises
+instead.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..client import PrefillClient
 from ..copying import copy_into
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..wire import PrefillOptions
-from .context import PrefillResult, RaggedTensors, call
+from .context import CheckedPrefiller, PrefillResult, RaggedTensors, call
 from .settings import RemoteSettings, healthy
 
 __all__ = ["ServiceLink", "Stats", "StatsSnapshot", "stats"]
@@ -90,7 +91,7 @@ def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillResult:
     return ragged_attention(qc, kc, vc, q_cu, kv_cu, causal=causal, scale=scale).to(device)
 
 
-class ServiceLink:
+class ServiceLink(CheckedPrefiller):
     """One settings' client and state. A `PrefillClient` is safe to call from several threads;
     `_lock` guards `_client`, `_down_since`, `_wait` and `_prober`."""
 
@@ -137,8 +138,8 @@ class ServiceLink:
     def prefill(self, *args: Any, out: torch.Tensor | None = None, **options: Any) -> PrefillResult:
         """As `PrefillClient.prefill` (its arguments: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens],
         causal, return_lse, scale, and `out` to write into): by the service while it answers,
-        else (with the fallback) here. The service's answer is checked (`check_result`) before
-        it counts."""
+        else (with the fallback) here. The service's answer is checked (`check_result`,
+        `check_finite`) before it counts."""
         tensors: RaggedTensors = (*args, None)[:5]
         opts = PrefillOptions(**options)
         if not self.settings.fallback:

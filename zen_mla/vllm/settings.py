@@ -6,8 +6,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import httpx
 
 from ..client import PrefillClient
 from ..errors import InvalidInputError
@@ -25,6 +28,7 @@ logger = logging.getLogger("zen_mla.vllm")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_CONCURRENCY = 8
+_URL_FORM = "http://host:port or https://host:port (port and path optional)"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -56,10 +60,7 @@ class RemoteSettings:
         if not self.urls:
             raise InvalidInputError("ZEN_MLA_URL", "one http(s) URL or more", "none")
         for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise InvalidInputError(
-                    "ZEN_MLA_URL", "http://host:port or https://host:port", repr(url)
-                )
+            _check_url(url)
         if self.token is not None and not self.token.strip():
             # The service refuses to start with an empty token; a client sending none would get
             # 401 from a guarded service and hide the misconfiguration from an open one.
@@ -96,6 +97,36 @@ class RemoteSettings:
                 "ZEN_MLA_FALLBACK", "1 or 0 (true/false, yes/no, on/off)", repr(fallback)
             )
         return cls(urls=urls, token=env.get("ZEN_MLA_API_TOKEN"), fallback=fallback in _TRUE)
+
+
+def _check_url(url: str) -> None:
+    """One endpoint of `ZEN_MLA_URL`: http or https, a host, a port from 1 to 65535 where one is
+    given, no spaces. Checked at start: a URL no call can use would otherwise make every call
+    fall back to local compute, one warning and then silence."""
+
+    def refused(why: str) -> InvalidInputError:
+        return InvalidInputError("ZEN_MLA_URL", _URL_FORM, repr(url), why)
+
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise refused("It holds a space or a control character (percent-encode it)")
+    if not url.startswith(("http://", "https://")):
+        raise refused("Its scheme must be http:// or https://")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+    except ValueError as exc:  # an unclosed or invalid [IPv6 address]
+        raise refused(f"Its host is not readable ({exc})") from exc
+    if not host:
+        raise refused("It names no host")
+    host_port = parts.netloc.rpartition("@")[2]
+    if not host_port.endswith("]") and ":" in host_port:  # "[::1]" has colons and no port
+        port = host_port.rpartition(":")[2]
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise refused(f"Its port must be a number from 1 to 65535, not {port!r}")
+    try:
+        httpx.URL(url)  # what the client will make of it
+    except httpx.InvalidURL as exc:
+        raise refused(str(exc)) from exc
 
 
 @functools.cache
