@@ -18,7 +18,7 @@ safetensors body, a regions JSON, a v2 infer) comes through `prepare` and `run`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,6 +261,7 @@ class PrefillEngine:
         outputs: Outputs | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
+        client: Hashable = None,
     ) -> PrefillJob:
         """Queue a prepared request on the workers. q, k and v lying in `inputs` (buffers of
         this engine: `buffer()`, `adopt()`) are read in place; `outputs` (a buffer, and `out`
@@ -268,8 +269,9 @@ class PrefillEngine:
         `loop`: the running event loop, when called from its thread: a request small enough
         for one worker then goes to an idle one from this thread and its answer is read here,
         with no thread between (see `zen_mla.pool`); `reply`, a frame that worker then writes
-        to the caller's socket itself once done (`PrefillResult.replied`). PoolClosedError once
-        closed; ServiceUnavailableError (try again) when shared memory cannot be had."""
+        to the caller's socket itself once done (`PrefillResult.replied`). `client`: who asks
+        (any hashable name): queued work is taken round-robin between clients. PoolClosedError
+        once closed; ServiceUnavailableError (try again) when shared memory cannot be had."""
         kernels = request.kernels
         job = self._pool.submit_batch(
             request.batch,
@@ -279,5 +281,6 @@ class PrefillEngine:
             outputs=outputs,
             loop=loop,
             reply=reply,
+            client=client,
         )
         return PrefillJob(request, job)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, Outcome, ProtocolError
 from ._job import Reply, Task
-from ._messages import Done, Failed, ToSupervisor
-from ._process import SendFailedError, WorkerProcess
+from ._messages import Done, ToSupervisor
+from ._process import WorkerProcess
 
 __all__ = ["DirectRun"]
 
@@ -79,7 +79,7 @@ class DirectRun:
             self._task.job.replied = True  # the worker wrote it before its Done
         self._end(answer)
 
-    def _end(self, outcome: Done | Failed | SendFailedError | str) -> None:
+    def _end(self, outcome: Outcome) -> None:
         self._task.job.replying = False  # done, failed, or lost with its worker
         if self._fd is not None:
             self._loop.remove_reader(self._fd)
@@ -87,5 +87,6 @@ class DirectRun:
             self._fd = None
         # given back first: a lost task is queued behind the replacement, and a next call
         # finds the worker idle
-        self._dispatcher.give_back(outcome if isinstance(outcome, str) else None)
+        lost = isinstance(outcome, str | ProtocolError)
+        self._dispatcher.give_back(str(outcome) if lost else None)
         self._dispatcher.settle(self._task, outcome)

@@ -9,10 +9,18 @@ An idle worker with nothing queued may instead be lent (`lend()`) to an event lo
 task on it directly (`_direct.DirectRun`): the loop sends the task and reads the answer itself,
 and the dispatcher thread keeps off the pipe until it is given back (`give_back()`), replacing
 the worker then if it died meanwhile.
+
+One owner at a time: the worker's process and its pipe are used by whoever holds `owner` (the
+dispatcher thread, for a task or to read an idle worker's heartbeats; or one borrower), taken
+and given back in one step under `lock`. A loan is refused while the thread holds the worker,
+and the thread waits out a loan before it takes the worker, so no two parties ever send on or
+read one pipe. Every answer names its task: one naming another task is a protocol error, which
+fails the task at hand and replaces the worker, and never settles a job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,27 +33,43 @@ from typing import Any
 from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
 from ._job import PoolJob, Reply, Task, TaskQueue
-from ._messages import BufferUse, Done, Failed, RunTask, ToSupervisor
+from ._messages import Beat, BufferUse, Done, Failed, Forget, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
 from .topology import WorkerSlot
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "Outcome", "ProtocolError"]
 
 log = logging.getLogger("zen_mla.pool")
+#: the longest an idle worker keeps a freed buffer mapped, in seconds (a region whose client
+#: left, say): the dispatcher thread looks in on an idle worker this often
+FORGET_WITHIN = 0.5
+#: who holds a worker: its dispatcher thread, or a borrower (`lend`)
+THREAD, LOAN = "thread", "loan"
+
+
+class ProtocolError(Exception):
+    """The worker said something out of turn (an answer to a task it was not running): it is
+    replaced, and the task at hand fails."""
+
+
+#: how a task ended: answered, failed in the worker, not sent, lost with the process (why), or
+#: answered out of turn
+Outcome = Done | Failed | SendFailedError | str | ProtocolError
 
 
 class Dispatcher:
     """One CCX's worker. Once `start()`ed, its dispatcher thread is the only one to replace
-    `proc`, to run tasks and to touch `heard_at`; `lock` guards `proc`, `state`, `current` and
-    `restarts` against readers in other threads (`info()`, `cancel()`, `stop_dispatching()`,
-    `stop()`). The queue locks itself.
+    `proc`; `lock` guards `owner`, `proc`, `state`, `current`, `lost_why` and `restarts` against
+    the other threads (`info()`, `cancel()`, `lend()`, `give_back()`, `stop_dispatching()`,
+    `stop()`). The queue locks itself. Only the holder of `owner` sends on or reads the pipe
+    and touches `heard_at`.
 
     `lost(task, self)` is called with a task the worker died under (or could not be given
     because the pool closed); `stranded(self)` when the worker is being replaced, to move the
     tasks still queued on it (`queue.take_all()`) elsewhere.
 
-    While `lent`, the borrower alone reads and writes the pipe and `heard_at`; `lost_why` says
+    While lent (`owner == LOAN`), the borrower alone reads and writes the pipe; `lost_why` says
     the worker died under it, for the dispatcher thread to replace it.
     """
 
@@ -74,7 +98,7 @@ class Dispatcher:
         self.heard_at = 0.0  # time.monotonic() of the process's last message
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
-        self.lent = False
+        self.owner: str | None = None  # THREAD, LOAN, or None: nobody uses the process now
         self.lost_why: str | None = None
         self._given_back = threading.Condition(self.lock)
 
@@ -130,21 +154,27 @@ class Dispatcher:
                 proc.kill()  # seen dying, then replaced; no one takes it for ready meanwhile
                 self.state = "starting"
 
+    @property
+    def lent(self) -> bool:
+        return self.owner == LOAN
+
     def lend(self, task: Task) -> WorkerProcess | None:
         """The process, busy with `task` from now on, for a borrower that sends the task and
-        reads the answer itself (`send()`, `answer()`); None unless the worker is idle with
-        nothing queued. The borrower must `give_back()`."""
+        reads the answer itself (`send()`, `answer()`); None unless nobody holds the worker and
+        it is idle with nothing queued. The borrower must `give_back()`."""
         with self.lock:
-            free = self.state == "idle" and not self.lent and self.lost_why is None
+            free = self.owner is None and self.state == "idle" and self.lost_why is None
             if not free or self.proc is None or self._closed.is_set() or self.queue.qsize():
                 return None
-            self.lent, self.current, self.state = True, task, "busy"
+            self.owner, self.current, self.state = LOAN, task, "busy"
             return self.proc
 
     def give_back(self, died: str | None = None) -> None:
         """End a loan; `died`: why the process is lost (the dispatcher thread replaces it)."""
         with self.lock:
-            self.lent, self.current = False, None
+            if self.owner != LOAN:
+                raise RuntimeError(f"worker {self.slot.id}: given back, but held by {self.owner}")
+            self.owner, self.current = None, None
             if died is None and self.state == "starting":
                 died = "was stopped (its job was cancelled)"  # answered as it was killed
             if died is None:
@@ -217,54 +247,93 @@ class Dispatcher:
                     task.job._fail(
                         KernelError(f"worker {self.slot.id}: {type(exc).__name__}: {exc}")
                     )
-                if self.state == "busy":
-                    self._set("idle")
                 self._closed.wait(0.1)  # no hot loop should the error repeat
 
     def _dispatch_one(self) -> bool:
         """Run one task from the queue, or check on the idle worker; False: stop dispatching."""
         try:
-            task = self.queue.get(timeout=self._config.ping_interval)
+            task = self.queue.get(timeout=min(self._config.ping_interval, FORGET_WITHIN))
         except queue.Empty:
             if not self._closed.is_set():
                 self._check_idle()
             return True
         if task is None:
             return False
-        self._wait_given_back()
+        if isinstance(task, Task) and task.job.done():
+            return True  # cancelled or failed while queued
+        if not self._hold():  # the pool closed while the worker was lent
+            if isinstance(task, Task):
+                self._lost(task, self)
+            return True
+        self._while_held(self._run_held, task)
+        return True
+
+    def _while_held(self, work: Callable[..., None], *args: Any) -> None:
+        """`work(*args)` while this thread holds the worker, then the hold ends. Should it raise
+        (a bug of ours), the pipe may be out of step: the worker is replaced first."""
+        try:
+            work(*args)
+        except BaseException as exc:
+            if not self._closed.is_set():
+                with contextlib.suppress(Exception):
+                    self._replace(f"was in use when its dispatcher failed ({exc!r})")
+            raise
+        finally:
+            self._release()
+
+    def _run_held(self, task: Task | str) -> None:
+        """`task` on the worker this thread holds (a string: the wake-up of a worker lost while
+        lent, replaced here)."""
         self._replace_if_lost()
         if isinstance(task, str):
-            return True  # the wake-up of a worker that died while lent: replaced above
-        if task.job.done():
-            return True  # cancelled or failed while queued
+            return
         if self.proc is None and not self._closed.is_set():
             self._respawn()  # a replacement an error of ours interrupted
         if self.proc is None:  # the pool closed before a replacement started
             self._lost(task, self)
-            return True
+            return
         with self.lock:
             # Checked and set under the one lock `cancel()` takes: a cancel either comes
             # before (the job is done: skipped) or finds the task current (the worker stopped).
             if task.job.done():
-                return True
-            self.current = task  # left set if _run_on raises: _loop fails it
+                return
+            self.current, self.state = task, "busy"  # current left set if _run_on raises
         outcome = self._run_on(self.proc, task)
+        lost = isinstance(outcome, str | ProtocolError)
         with self.lock:
             self.current = None
+            if not lost:
+                # free for the next call before this one's caller hears of it
+                self.owner = None
+                if self.state == "busy":
+                    self.state = "idle"
         self.settle(task, outcome)  # a lost task first, so that it need not wait for the respawn
-        if isinstance(outcome, str) and not self._closed.is_set():
-            self._replace(outcome)
-        return True
+        if lost and not self._closed.is_set():
+            self._replace(str(outcome))
 
-    def _wait_given_back(self) -> None:
-        """Wait while the worker is lent, marking it stuck should it fall silent meanwhile."""
+    def _hold(self) -> bool:
+        """Take the worker for this thread, waiting out a loan (marking the worker stuck should
+        it fall silent meanwhile); False if the pool closed while it was lent."""
         while True:
             with self.lock:
-                if self.lent and not self._closed.is_set():
-                    self._given_back.wait(self._config.ping_interval)
-                if not self.lent or self._closed.is_set():
-                    return
+                if self.owner is None:
+                    self.owner = THREAD
+                    return True
+                if self._closed.is_set():
+                    return False
+                self._given_back.wait(self._config.ping_interval)
+                if self.owner is None:
+                    self.owner = THREAD
+                    return True
             self._check_silence()
+
+    def _release(self) -> None:
+        """This thread's hold on the worker ends (where it still has one)."""
+        with self.lock:
+            if self.owner == THREAD:
+                self.owner = None
+                if self.state == "busy":
+                    self.state = "idle"
 
     def _replace_if_lost(self) -> bool:
         """Replace a process that died while lent; True if it did."""
@@ -281,12 +350,16 @@ class Dispatcher:
         slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
         as not alive meanwhile."""
         silent = time.monotonic() - self.heard_at
-        if self.state == "busy" and silent > self._config.ping_timeout:
+        if silent <= self._config.ping_timeout:
+            return
+        with self.lock:  # busy still: a borrower may have given it back idle meanwhile
+            if self.state != "busy":
+                return
+            self.state = "stuck"
             pid = self.proc.pid if self.proc else None
-            log.warning(
-                "worker %d (pid %s) silent for %.1f s mid-task: stuck", self.slot.id, pid, silent
-            )
-            self._set("stuck")
+        log.warning(
+            "worker %d (pid %s) silent for %.1f s mid-task: stuck", self.slot.id, pid, silent
+        )
 
     def heard(self) -> None:
         """A message came from the worker: it is alive (and no longer stuck)."""
@@ -304,22 +377,33 @@ class Dispatcher:
         return KernelError(f"worker {self.slot.id}: {failed.error_type}: {failed.message}")
 
     def _check_idle(self) -> None:
-        """Read the heartbeats of an idle worker; replace it if it died or fell silent (it holds
-        no work, so nothing is lost)."""
+        """Read the heartbeats of an idle worker and have it unmap the buffers freed here since
+        its last task; replace it if it died or fell silent (it holds no work, so nothing is
+        lost). Left alone while lent: the borrower reads the pipe."""
         with self.lock:
-            proc, lent = self.proc, self.lent
-        if lent:  # the borrower reads the pipe
+            if self.owner is not None:
+                held = False
+            else:
+                self.owner, held = THREAD, True
+        if not held:
             self._check_silence()
             return
+        self._while_held(self._look_in)
+
+    def _look_in(self) -> None:
         if self._replace_if_lost():
             return
+        proc = self.proc
         if proc is None:
             self._respawn()  # a replacement an error of ours interrupted
             return
         try:
             while proc.conn.poll(0):
-                proc.recv()
+                msg: ToSupervisor = proc.recv()
                 self.heard_at = time.monotonic()
+                if not isinstance(msg, Beat):
+                    self._replace(f"sent {msg!r} while idle (a protocol error)")
+                    return
         except (EOFError, OSError):
             self._replace("closed its pipe")
             return
@@ -327,14 +411,30 @@ class Dispatcher:
             self._replace(f"exited (code {proc.exitcode})")
         elif time.monotonic() - self.heard_at > self._config.ping_timeout:
             self._replace(f"was silent for {self._config.ping_timeout} s while idle")
+        else:
+            self._forget_freed(proc)
 
-    def _run_on(self, proc: WorkerProcess, task: Task) -> Done | Failed | SendFailedError | str:
+    def _forget_freed(self, proc: WorkerProcess) -> None:
+        """Tell the idle worker to unmap the buffers freed here since its last task, so that a
+        region whose client left is not kept mapped until the worker's next task."""
+        forget, _ = self._mappings.plan(self.slot.id, ())
+        if not forget:
+            return
+        try:
+            proc.send(Forget(forget))
+        except SendFailedError:
+            return  # told with its next task, or on the next look
+        except WorkerGoneError as exc:
+            self._replace(f"lost its pipe ({exc})")
+            return
+        self._mappings.sent(self.slot.id, forget, ())
+
+    def _run_on(self, proc: WorkerProcess, task: Task) -> Outcome:
         """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
-        process is lost."""
+        process is lost (a string, or a ProtocolError: it answered out of turn)."""
         sent = self.send(proc, task)
         if sent is not None:
             return sent
-        self._set("busy")
         while True:
             ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
             if proc.conn in ready:
@@ -344,7 +444,6 @@ class Dispatcher:
                     return "died"
                 answer = self.answer(task, msg)
                 if answer is not None:
-                    self._set("idle")
                     return answer
             elif proc.sentinel in ready:
                 return f"died (exit code {proc.exitcode})"
@@ -375,18 +474,23 @@ class Dispatcher:
         self._mappings.sent(self.slot.id, forget, [b.id for b in fresh])
         return None
 
-    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | None:
-        """A message from the worker busy with `task`: its answer, or None (a heartbeat)."""
+    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | ProtocolError | None:
+        """A message from the worker busy with `task`: its answer, None (a heartbeat), or a
+        ProtocolError (anything else: an answer to another task never settles this one)."""
         self.heard()
+        if isinstance(msg, Beat):
+            return None
         if isinstance(msg, Done | Failed) and msg.task_id == task.id:
             if isinstance(msg, Failed):  # the worker unmapped the task's buffers
                 self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
             return msg
-        return None
+        return ProtocolError(f"sent {msg!r} while running task {task.id} (a protocol error)")
 
-    def settle(self, task: Task, outcome: Done | Failed | SendFailedError | str) -> None:
+    def settle(self, task: Task, outcome: Outcome) -> None:
         """Hand `outcome` of `task` to its job: done, failed, or lost with the process."""
-        if isinstance(outcome, str):  # the process died under the task, or the pipe broke
+        if isinstance(outcome, ProtocolError):  # out of step: the task's result is not known
+            task.job._fail(KernelError(f"worker {self.slot.id} {outcome}"))
+        elif isinstance(outcome, str):  # the process died under the task, or the pipe broke
             self._lost(task, self)
         elif isinstance(outcome, SendFailedError):
             task.job._fail(

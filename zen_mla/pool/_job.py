@@ -8,7 +8,8 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -173,7 +174,8 @@ class PoolJob:
 @dataclass(eq=False)
 class Task:
     """One worker's share of a job: its pieces, in one message. `spec` lacks `buffers` and
-    `forget`, which depend on what the worker it goes to has mapped."""
+    `forget`, which depend on what the worker it goes to has mapped. `client`: who asked (the
+    service's name for a caller), whose tasks take turns with other clients' in a queue."""
 
     id: int
     job: PoolJob
@@ -181,40 +183,70 @@ class Task:
     buffers: list[SharedBuffer]
     cost: int
     attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
+    client: Hashable = None
 
 
 class TaskQueue(queue.Queue[Task | str | None]):
-    """Tasks waiting for one worker (None: stop dispatching; a string: why the worker died while
-    lent, a wake-up to replace it); `cost` is theirs summed, kept under the queue's own `mutex`
-    as tasks come and go."""
+    """Tasks waiting for one worker, taken round-robin between their clients: a client's flood
+    delays another client's task by at most one task per flooding client. Also a string (why
+    the worker died while lent: a wake-up to replace it, taken first) and None (stop
+    dispatching, taken once no task is left). `cost` is the tasks' summed, kept under the
+    queue's own `mutex` as tasks come and go."""
 
     def _init(self, maxsize: int) -> None:
-        super()._init(maxsize)
+        # clients in turn order: the one served goes to the back; a new one joins at the back
+        self._tasks: dict[Hashable, deque[Task]] = {}
+        self._wakes: deque[str] = deque()
+        self._stops = 0
+        self._count = 0
         self.cost = 0
 
+    def _qsize(self) -> int:
+        return self._count + len(self._wakes) + self._stops
+
     def _put(self, item: Task | str | None) -> None:
-        super()._put(item)
-        self.cost += item.cost if isinstance(item, Task) else 0
+        if item is None:
+            self._stops += 1
+        elif isinstance(item, str):
+            self._wakes.append(item)
+        else:
+            self._tasks.setdefault(item.client, deque()).append(item)
+            self._count += 1
+            self.cost += item.cost
 
     def _get(self) -> Task | str | None:
-        item = super()._get()
-        self.cost -= item.cost if isinstance(item, Task) else 0
-        return item
+        if self._wakes:
+            return self._wakes.popleft()
+        if self._tasks:
+            return self._next_task()
+        self._stops -= 1
+        return None
+
+    def _next_task(self) -> Task:
+        client = next(iter(self._tasks))
+        mine = self._tasks.pop(client)
+        task = mine.popleft()
+        if mine:
+            self._tasks[client] = mine  # its next task waits for the others' turns
+        self._count -= 1
+        self.cost -= task.cost
+        return task
 
     @property
     def load(self) -> int:
         with self.mutex:
             return self.cost
 
+    @property
+    def tasks(self) -> int:
+        """Tasks queued (wake-ups and stops aside)."""
+        with self.mutex:
+            return self._count
+
     def take_all(self) -> list[Task]:
-        """Take the tasks queued, leaving a stop request (None) in place."""
-        moved: list[Task] = []
-        with contextlib.suppress(queue.Empty):
-            for _ in range(self.qsize()):
-                task = self.get_nowait()
-                if task is None:
-                    self.put(None)  # close() asked this dispatcher to stop
-                    break
-                if isinstance(task, Task):
-                    moved.append(task)
-        return moved
+        """Take the tasks queued, in turn order, leaving wake-ups and stop requests in place."""
+        with self.mutex:
+            moved: list[Task] = []
+            while self._tasks:
+                moved.append(self._next_task())
+            return moved

@@ -17,6 +17,7 @@ __all__ = [
     "BufferUse",
     "Done",
     "Failed",
+    "Forget",
     "Piece",
     "Ready",
     "RunTask",
@@ -105,6 +106,13 @@ class RunTask:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """Unmap these buffers (freed by the supervisor) now; sent to an idle worker, unanswered."""
+
+    buffers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Stop:
     """Exit now."""
 
@@ -145,5 +153,5 @@ class Beat:
     n: int
 
 
-ToWorker = RunTask | Stop
+ToWorker = RunTask | Forget | Stop
 ToSupervisor = Ready | Done | Failed | Beat

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -188,6 +188,7 @@ class WorkerPool:
         outputs: Outputs | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
+        client: Hashable = None,
     ) -> PoolJob:
         """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
         are read in place (else copied into shared memory once); `outputs` says where `out` and
@@ -196,7 +197,8 @@ class WorkerPool:
         `loop`: the running event loop, when called from its thread. A batch that is one task
         then goes straight to an idle worker from this thread, and its answer is read here
         too (`_direct`); the job completes in the loop's thread. `reply`: written by that
-        worker once the work is done (`Reply`); a batch queued instead is never answered so."""
+        worker once the work is done (`Reply`); a batch queued instead is never answered so.
+        `client`: who asks (any hashable name); queued tasks take turns between clients."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
@@ -243,7 +245,7 @@ class WorkerPool:
             cost = sum(p.cost for p in pieces)
             threads = 1 if cost < self.config.min_thread_cost else 0  # 0: all the worker's
             spec = replace(common, pieces=tuple(pieces), threads=threads)
-            tasks.append(Task(next(self._ids), job, spec, buffers, cost))
+            tasks.append(Task(next(self._ids), job, spec, buffers, cost, client=client))
 
         def finish(j: PoolJob) -> None:
             if staging is not None:

@@ -27,6 +27,7 @@ from ._messages import (
     Beat,
     Done,
     Failed,
+    Forget,
     Ready,
     RunTask,
     Stop,
@@ -91,7 +92,7 @@ def _watchdog(parent_pid: int, sender: _Sender, ready: threading.Event, interval
         time.sleep(WATCH_INTERVAL)
 
 
-def _recv(sock: socket.socket) -> tuple[RunTask | Stop, list[int]]:
+def _recv(sock: socket.socket) -> tuple[RunTask | Forget | Stop, list[int]]:
     """One message as `WorkerProcess.send` frames it (`Connection`'s framing) and the
     descriptors that came with its first bytes."""
     head, ancillary, flags, _ = sock.recvmsg(4, socket.CMSG_SPACE(MAX_FDS * 4))
@@ -105,7 +106,7 @@ def _recv(sock: socket.socket) -> tuple[RunTask | Stop, list[int]]:
         raise EOFError
     head += _recv_exact(sock, 4 - len(head))
     (n,) = struct.unpack("!i", head)
-    msg: RunTask | Stop = pickle.loads(_recv_exact(sock, n))
+    msg: RunTask | Forget | Stop = pickle.loads(_recv_exact(sock, n))
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
@@ -135,8 +136,8 @@ def main(
     """Entry point of a spawned worker. Messages (`_messages`, never tensor bytes):
 
     in:  `RunTask` with one descriptor attached per `spec.buffers` entry marked sent, in order,
-         then the socket `spec.reply` is written to, where set; `Stop`. `spec.forget`: buffers
-         to unmap.
+         then the socket `spec.reply` is written to, where set; `Forget` (unmap, no answer);
+         `Stop`. `spec.forget`: buffers to unmap.
     out: `Ready`; `Done` (after `spec.reply` is written); `Failed`; `Beat` every
          `beat_interval` s from the watchdog thread.
 
@@ -170,6 +171,11 @@ def main(
             msg, fds = _recv(sock)
         except (EOFError, OSError):
             return  # the supervisor is gone
+        if isinstance(msg, Forget):
+            for fd in fds:
+                os.close(fd)
+            mapped.forget(msg.buffers)
+            continue
         if not isinstance(msg, RunTask):
             return  # Stop
         spec = msg.spec

@@ -1,0 +1,67 @@
+"""A worker's queue takes tasks round-robin between clients: one client's flood delays
+another's task by at most one task per flooding client."""
+
+from __future__ import annotations
+
+from zen_mla.pool._job import PoolJob, Task, TaskQueue
+
+
+def _task(client: object, n: int, cost: int = 1) -> Task:
+    return Task(n, PoolJob(kernel="torch"), None, [], cost, client=client)  # type: ignore[arg-type]
+
+
+def _drain(q: TaskQueue) -> list[object]:
+    taken = []
+    while q.qsize():
+        item = q.get_nowait()
+        taken.append(item if not isinstance(item, Task) else (item.client, item.id))
+    return taken
+
+
+def test_a_late_client_waits_one_task_per_flooding_client():
+    q = TaskQueue()
+    for n in range(50):
+        q.put(_task("flood-a", n))
+    for n in range(50):
+        q.put(_task("flood-b", 100 + n))
+    q.put(_task("late", 999))
+    order = _drain(q)
+    assert order.index(("late", 999)) == 2  # a's first, b's first, then its own
+    assert order[:6] == [
+        ("flood-a", 0),
+        ("flood-b", 100),
+        ("late", 999),
+        ("flood-a", 1),
+        ("flood-b", 101),
+        ("flood-a", 2),
+    ]
+
+
+def test_one_clients_tasks_keep_their_order_and_the_cost_follows():
+    q = TaskQueue()
+    for n in range(5):
+        q.put(_task("only", n, cost=10))
+    assert q.load == 50 and q.tasks == 5
+    q.get_nowait()
+    assert q.load == 40
+    assert [t.id for t in q.take_all()] == [1, 2, 3, 4]
+    assert q.load == 0 and q.tasks == 0
+
+
+def test_wakeups_come_first_and_a_stop_after_the_tasks():
+    q = TaskQueue()
+    q.put(_task("a", 1))
+    q.put(None)
+    q.put("died")
+    q.put(_task("b", 2))
+    assert _drain(q) == ["died", ("a", 1), ("b", 2), None]
+
+
+def test_take_all_leaves_wakeups_and_stops():
+    q = TaskQueue()
+    q.put(_task("a", 1))
+    q.put("died")
+    q.put(None)
+    q.put(_task("b", 2))
+    assert [(t.client, t.id) for t in q.take_all()] == [("a", 1), ("b", 2)]
+    assert _drain(q) == ["died", None]
