@@ -1,10 +1,12 @@
 """Hostile servers written by hand, for the client's tests: a loopback HTTP/1.1 server whose
-answers are raw bytes a test writes to the socket (trickled, lying, chunked, wrong), and a
-region socket whose replies are raw frames."""
+answers are raw bytes a test writes to the socket (trickled, lying, chunked, wrong), one that
+keeps connections alive and closes them as the service does at its connection cap, and a region
+socket whose replies are raw frames."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -17,14 +19,26 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
+
+import zen_mla
+from service.problems import problem_bytes
+from zen_mla import RequestTimeoutError
 
 __all__ = [
+    "Act",
     "FakeRegionSocket",
     "FakeServer",
+    "KeepAliveServer",
     "Request",
+    "answer",
     "chunked",
+    "closed",
+    "displaced",
     "frame",
+    "prefill_answer",
+    "read_then",
+    "reset",
     "response",
     "safetensors_body",
     "trickle",
@@ -147,6 +161,128 @@ class FakeServer(_Listener):
             conn.shutdown(socket.SHUT_WR)
             while not self.stop.is_set() and conn.recv(65536):
                 pass
+
+
+def prefill_answer(request: Request) -> bytes:
+    """A keep-alive 200 to a /prefill request: `zen_mla.ragged_attention` of what it holds."""
+    n = int.from_bytes(request.body[:8], "little")
+    meta = json.loads(request.body[8 : 8 + n]).get("__metadata__", {})
+    t = load(request.body)
+    result = zen_mla.ragged_attention(
+        t["q"], t["k"], t["v"], t["q_cu_seq_lens"], t.get("kv_cu_seq_lens"),
+        causal=meta.get("causal", "true") == "true",
+        return_lse=meta.get("return_lse") == "true",
+        scale=float(meta["scale"]) if "scale" in meta else None,
+    )  # fmt: skip
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    body = safetensors_body({"out": out} | ({} if lse is None else {"lse": lse}))
+    head = ["HTTP/1.1 200 OK", "Content-Type: application/octet-stream"]
+    head.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+# What a KeepAliveServer does with a request: True to keep the connection for the next one.
+Act = Callable[[socket.socket, threading.Event], bool]
+
+
+def answer(conn: socket.socket, stop: threading.Event) -> bool:
+    """The request read and answered (`prefill_answer`), the connection kept."""
+    conn.sendall(prefill_answer(_read_request(conn)))
+    return True
+
+
+def displaced(conn: socket.socket, stop: threading.Event) -> bool:
+    """The service's 408 for an idle connection it closes at its connection cap
+    (service/protocol.py), written once the request's bytes came, none of them read; the
+    input then dropped until the client closes (no reset: the client reads the 408)."""
+    t = 10.0  # the service's default header timeout, named in its message
+    exc = RequestTimeoutError(
+        "no request came on this connection while others waited for one "
+        f"(the connection cap is reached; idle ones are closed, at most {t} s)"
+    )
+    conn.sendall(problem_bytes(exc))
+    _linger(conn, stop)
+    return False
+
+
+def closed(conn: socket.socket, stop: threading.Event) -> bool:
+    """The connection closed (a FIN) once the request's bytes came, none of them read (the
+    client reads the end before any answer); the input then dropped until the client closes."""
+    _linger(conn, stop)
+    return False
+
+
+def reset(conn: socket.socket, stop: threading.Event) -> bool:
+    """The connection reset once the request's bytes came, none of them read."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return False
+
+
+def read_then(raw: bytes, *, then_reset: bool = False) -> Act:
+    """The request read whole, `raw` written, then the connection closed (reset, with
+    `then_reset`; else a FIN, the input dropped until the client closes)."""
+
+    def act(conn: socket.socket, stop: threading.Event) -> bool:
+        _read_request(conn)
+        conn.sendall(raw)
+        if then_reset:
+            return reset(conn, stop)
+        _linger(conn, stop)
+        return False
+
+    return act
+
+
+def _linger(conn: socket.socket, stop: threading.Event) -> None:
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(0.05)
+    while not stop.is_set():
+        try:
+            if not conn.recv(65536):
+                return
+        except TimeoutError:
+            continue
+
+
+class KeepAliveServer(_Listener):
+    """Keeps connections alive: request `r` on connection `c` (each counted from 0, connections
+    in the order they came) is handled by `act(c, r)` once its first bytes came (`answer`,
+    `displaced`, `closed`, `reset`, or any `Act`); `arrived` lists each such (c, r)."""
+
+    def __init__(self, act: Callable[[int, int], Act]) -> None:
+        self._act = act
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        self.arrived: list[tuple[int, int]] = []
+        self._connections = 0
+        self._lock = threading.Lock()  # guards _connections and arrived
+        super().__init__(listener)
+
+    def _handle(self, conn: socket.socket) -> None:
+        with self._lock:
+            c, self._connections = self._connections, self._connections + 1
+        with conn, contextlib.suppress(OSError):
+            for r in itertools.count():
+                conn.settimeout(0.05)
+                while True:  # until the request's first bytes came, none of them taken
+                    if self.stop.is_set():
+                        return
+                    try:
+                        if not conn.recv(1, socket.MSG_PEEK):
+                            return  # the client closed it
+                        break
+                    except TimeoutError:
+                        continue
+                with self._lock:
+                    self.arrived.append((c, r))
+                conn.settimeout(30)
+                if not self._act(c, r)(conn, self.stop):
+                    return
+
+    def sends(self) -> int:
+        """Requests whose bytes came, so far."""
+        with self._lock:
+            return len(self.arrived)
 
 
 def frame(message: Any) -> bytes:

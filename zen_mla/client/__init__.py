@@ -6,6 +6,9 @@
 `prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device
 (CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
 zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
+A request the server never read (its 408, or a kept connection closed before any answer: the
+service closes idle ones at its connection cap, which may cross a request going out) is sent
+once more on another connection, within the call's timeout.
 
 `timeout` bounds a whole call (connect, send, wait, read, and the retries with their waits), not
 each read: past it, DeadlineExceededError. Every answer is checked against its request (`out`
@@ -25,7 +28,7 @@ region the client holds (or not at all, for tensors made with `empty()`), and th
 them and write the results there.
 
 The modules behind it: `_base` (all the twins share: the request, the deadline, endpoints,
-retries), `_answers` (answers read and checked, problems as exceptions), `_offers` (each
+retries, resends), `_answers` (answers read and checked, problems as exceptions), `_offers` (each
 endpoint's same-host regions, and when to ask again), `_sync` and `_async` (their I/O),
 `_transport` (the blocking client's sockets, bounded by the call's deadline).
 """

@@ -13,7 +13,7 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Resend, Translated
 from ._deadline import Deadline
 
 __all__ = ["AsyncPrefillClient"]
@@ -140,10 +140,21 @@ class AsyncPrefillClient(BaseClient):
         self, i: int, x: Exchange, deadline: Deadline
     ) -> tuple[int, httpx.Headers, Bytes]:
         """As `PrefillClient._send`, each chunk through httpx."""
+        resend = Resend(deadline)
+        while True:
+            with resend.send():
+                status, headers, body = await self._send_once(i, x, deadline, resend)
+                if not resend.again(status):
+                    return status, headers, body
+
+    async def _send_once(
+        self, i: int, x: Exchange, deadline: Deadline, resend: Resend
+    ) -> tuple[int, httpx.Headers, Bytes]:
         content = _parts(x.content) if isinstance(x.content, list) else x.content
         async with self._http[i].stream(
             x.method, x.path, content=content, headers=x.headers
         ) as answer:
+            resend.answered()
             memory = self._answer_memory if x.tensors else None
             body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check, memory)
             if body.wanted:

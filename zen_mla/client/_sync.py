@@ -13,7 +13,7 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Resend, Translated
 from ._deadline import Deadline
 from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
 
@@ -26,7 +26,9 @@ class PrefillClient(BaseClient):
     `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
     the host part is only a name. `token`: bearer token when the service has one. `timeout`:
     seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
-    for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried.
+    for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried;
+    apart from them, a request the server never read (a kept connection it closed as the
+    request went out) is sent once more on another connection (`_base.Resend`).
     With a `transport` of your own, its sockets' reads wait as long as it lets them; the call's
     deadline is checked between them.
     """
@@ -124,7 +126,18 @@ class PrefillClient(BaseClient):
             return call.answered(status, body, headers, layout)
 
     def _send(self, i: int, x: Exchange, deadline: Deadline) -> tuple[int, httpx.Headers, Bytes]:
-        """Status, headers and body of one exchange with endpoint i."""
+        """Status, headers and body of one exchange with endpoint i, sent again where the
+        server never read it (`Resend`)."""
+        resend = Resend(deadline)
+        while True:
+            with resend.send():
+                status, headers, body = self._send_once(i, x, deadline, resend)
+                if not resend.again(status):
+                    return status, headers, body
+
+    def _send_once(
+        self, i: int, x: Exchange, deadline: Deadline, resend: Resend
+    ) -> tuple[int, httpx.Headers, Bytes]:
         # parts (memoryviews too) go to the socket as they are (httpx's annotation says bytes)
         content: Any = iter(x.content) if isinstance(x.content, list) else x.content
         http = self._http[i]
@@ -135,6 +148,7 @@ class PrefillClient(BaseClient):
             # it, so that its TIME_WAIT is the service's and not one of this host's ports each
             headers = (headers or {}) | {"Connection": "close"}
         with http.stream(x.method, x.path, content=content, headers=headers) as answer:
+            resend.answered()
             body = Body.of(answer.status_code, answer.headers, x.limit, deadline.check, memory)
             if body.wanted:
                 read_body(answer, body, http.timeout.read)
