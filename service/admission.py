@@ -1,29 +1,83 @@
 """Admission: what the requests let in hold (an upload slot while the body is read, a queue
-place once it is in, bytes of the budget as they arrive), and each request's share, its
-`Ticket`.
+place once it is in, bytes of the budget as they arrive), each client's share of them, and
+each request's share, its `Ticket`.
+
+A client is what the door can tell apart (`client_of`): the peer's uid on the region socket,
+the peer's address on TCP. Shares are work-conserving: while places are free anyone takes one,
+so a client alone may use every slot, place and byte (the ranks of one orchestrator, often one
+uid or one address, are not slowed by a cap meant for strangers); once they are all taken, a
+client holding less than its share (the cap over the clients holding any, itself counted)
+takes one all the same. So a flood holds the others off no longer than its first places take,
+and the totals stay within twice each cap (the share exemptions add up to one cap at most).
 
 A body being read holds an upload slot (`max_uploads`), never a compute slot: `max_queue`
-counts only requests whose body is in. With the slots full, a new upload takes the slot of the
-slowest upload that has averaged under twice the minimum rate (answered 408): clients that send
-nothing, or just above the minimum rate, cannot keep the others out by their number, and an
-upload that comes at any real speed is never cut off for another.
+counts only requests whose body is in. A small body (`SMALL_BODY` bytes at most: a regions
+JSON, a one-token safetensors) holds no slot, so no upload, however many, keeps it waiting. With
+the slots full and no share free, a new upload takes the slot of an upload that has fallen
+behind the minimum rate (answered 408), from the client holding the most: an upload keeping up
+with the advertised minimum rate is never cut off for another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from zen_mla import QueueFullError
 
 from .settings import Settings
 
-__all__ = ["Admission", "Ticket"]
+__all__ = ["SMALL_BODY", "Admission", "Shares", "Ticket", "client_of"]
 
 # An upload is measured this long before a newcomer may take its slot: long enough for its
 # first bytes, which on a working connection come with the head or right after it.
 DISPLACE_AFTER_S = 0.05
+# Bytes an upload may lag behind the minimum rate before it counts as fallen behind: a body
+# comes in socket-sized bursts, not byte by byte.
+DISPLACE_SLACK = 64 << 10
+#: bodies up to this size hold no upload slot (their read is bounded by the door's rate and
+#: deadline like any other, and the connection cap bounds how many there are)
+SMALL_BODY = 16 << 10
+
+
+def client_of(peer: object) -> Hashable:
+    """The client a connection belongs to, as admission counts it: `("uid", n)` for a region
+    socket peer, `("addr", host)` for a TCP peer, `("local",)` where the peer has no address
+    (a Unix socket for HTTP)."""
+    if isinstance(peer, int):
+        return ("uid", peer)
+    if isinstance(peer, str) and peer:
+        return ("addr", peer)
+    return ("local",)
+
+
+class Shares:
+    """`cap` units of one thing (upload slots, queue places, bytes), held by clients."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.total = 0
+        self.held: Counter[Hashable] = Counter()
+
+    def room(self, client: Hashable, n: int = 1) -> bool:
+        """May `client` take `n` more: while the cap allows, or within its share."""
+        if self.total + n <= self.cap:
+            return True
+        holders = len(self.held) + (client not in self.held)
+        return self.held[client] + n <= self.cap // holders
+
+    def take(self, client: Hashable, n: int = 1) -> None:
+        self.total += n
+        self.held[client] += n
+
+    def give(self, client: Hashable, n: int = 1) -> None:
+        self.total -= n
+        self.held[client] -= n
+        if self.held[client] <= 0:
+            del self.held[client]
 
 
 @dataclass
@@ -33,73 +87,111 @@ class Admission:
 
     settings: Settings
     inflight: int = 0  # admitted and not answered: reading, queued or computing
-    queued: int = 0  # bodies in, queued or computing
-    inflight_bytes: int = 0  # body bytes held in memory: faulted in while read, whole once in
-    reading: dict[Ticket, None] = field(default_factory=dict)  # bodies being read, in order
+    reading: dict[Ticket, None] = field(default_factory=dict)  # bodies holding a slot, in order
+    slots: Shares = field(init=False)
+    places: Shares = field(init=False)  # bodies in, queued or computing
+    bytes: Shares = field(init=False)  # body bytes held: faulted in while read, whole once in
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.slots = Shares(s.max_uploads)
+        self.places = Shares(s.max_queue)
+        self.bytes = Shares(s.max_inflight_bytes)
 
     @property
     def uploads(self) -> int:
         return len(self.reading)
 
-    def check_queue(self) -> None:
-        if self.queued >= self.settings.max_queue:
-            raise QueueFullError(f"{self.queued} requests are queued or running", retry_after=1)
+    @property
+    def queued(self) -> int:
+        return self.places.total
 
-    def admit(self, nbytes: int) -> Ticket:
-        """An upload slot for a body of `nbytes`, or QueueFullError (429)."""
-        s = self.settings
-        if len(self.reading) >= s.max_uploads and not self._displace_slowest():
-            raise QueueFullError(f"{len(self.reading)} request bodies are being read", 1)
-        ticket = Ticket(self, nbytes)
+    @property
+    def inflight_bytes(self) -> int:
+        return self.bytes.total
+
+    def check_queue(self, client: Hashable = None) -> None:
+        """A queue place is free for `client` now, or QueueFullError (429)."""
+        if not self.places.room(client):
+            mine = self.places.held[client]
+            raise QueueFullError(
+                f"{self.places.total} requests are queued or running ({mine} of them this "
+                "client's)",
+                retry_after=1,
+            )
+
+    def admit(self, nbytes: int, client: Hashable = None) -> Ticket:
+        """The request's share for a body of `nbytes` still to be read: an upload slot unless
+        the body is small, or QueueFullError (429)."""
+        slot = nbytes > SMALL_BODY
+        if slot and not self.slots.room(client) and not self._displace(client):
+            raise QueueFullError(
+                f"{len(self.reading)} request bodies are being read "
+                f"({self.slots.held[client]} of them this client's)",
+                1,
+            )
+        ticket = Ticket(self, nbytes, client)
         self.inflight += 1
-        self.reading[ticket] = None
+        if slot:
+            self.reading[ticket] = None
+            self.slots.take(client)
         return ticket
 
-    def admit_read(self, nbytes: int) -> Ticket:
+    def admit_read(self, nbytes: int, client: Hashable = None) -> Ticket:
         """A request whose body is in already (a region-socket frame, read by the socket's one
         frame reader): no upload slot to hold, a queue check and its bytes charged now, or
         QueueFullError (429)."""
-        self.check_queue()
-        ticket = Ticket(self, nbytes)
+        self.check_queue(client)
+        ticket = Ticket(self, nbytes, client)
         self.charge(ticket, nbytes)
         self.inflight += 1
         return ticket
 
-    def _displace_slowest(self) -> bool:
-        """Cut off the slowest upload, if one has averaged under twice the minimum rate (at
-        least 1 MB/s), for a new one."""
-        now = time.monotonic()
-        floor = 2 * max(self.settings.min_body_rate, 1e6)
-        rates = {
-            t: t.got / (now - t.started)
-            for t in self.reading
-            if now - t.started >= DISPLACE_AFTER_S and not t.displaced
-        }
-        slow = [t for t, rate in rates.items() if rate < floor]
-        if not slow:
+    def _displace(self, client: Hashable) -> bool:
+        """Cut off an upload that has fallen behind the minimum rate, of the client holding the
+        most slots, for `client`'s new one; False if every upload keeps up."""
+        rate = self.settings.min_body_rate
+        if rate <= 0:
             return False
-        min(slow, key=rates.__getitem__).displace()
+        now = time.monotonic()
+        behind = [
+            t
+            for t in self.reading
+            if not t.displaced
+            and now - t.started >= DISPLACE_AFTER_S
+            and t.got + DISPLACE_SLACK < rate * (now - t.started)
+        ]
+        if not behind:
+            return False
+        held = self.slots.held
+        # the slowest of the client holding the most (the newcomer's own count as one more)
+        victim = max(
+            behind,
+            key=lambda t: (held[t.client] + (t.client == client), -t.got / (now - t.started)),
+        )
+        victim.displace()
         return True
 
     def charge(self, ticket: Ticket, nbytes: int) -> None:
         """`nbytes` more of the budget for `ticket`, or QueueFullError (429)."""
-        budget = self.settings.max_inflight_bytes
-        if self.inflight_bytes + nbytes > budget:
+        if not self.bytes.room(ticket.client, nbytes):
             raise QueueFullError(
-                f"{self.inflight_bytes} bytes of request bodies are held; {nbytes} more would "
-                f"pass the {budget} byte budget",
+                f"{self.bytes.total} bytes of request bodies are held "
+                f"({self.bytes.held[ticket.client]} of them this client's); {nbytes} more "
+                f"would pass the {self.bytes.cap} byte budget",
                 retry_after=1,
             )
-        self.inflight_bytes += nbytes
+        self.bytes.take(ticket.client, nbytes)
         ticket.charged += nbytes
 
 
 class Ticket:
     """One request's share of `Admission`; `close()` gives back whatever it still holds."""
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, client: Hashable = None) -> None:
         self._admission = admission
         self.nbytes = nbytes  # as announced
+        self.client = client
         self.started = time.monotonic()
         self.got = 0  # body bytes in so far
         self.charged = 0  # bytes of the budget held
@@ -109,7 +201,7 @@ class Ticket:
         self._open = True
 
     def displace(self) -> None:
-        """Cut this upload off (its read raises RequestTimeoutError) for a faster one."""
+        """Cut this upload off (its read raises RequestTimeoutError) for another."""
         self.displaced = True
         if self.timer is not None:
             self.timer.reschedule(asyncio.get_running_loop().time())
@@ -119,14 +211,19 @@ class Ticket:
         self._admission.charge(self, nbytes)
 
     def uploaded(self) -> None:
-        self._admission.reading.pop(self, None)
+        """The body is in (or its read ended): its upload slot, if it held one, is free."""
+        a = self._admission
+        if self in a.reading:
+            del a.reading[self]
+            a.slots.give(self.client)
 
     def enqueue(self) -> None:
-        """A compute slot, or QueueFullError (429)."""
+        """A queue place, or QueueFullError (429)."""
         self.uploaded()
-        self._admission.check_queue()
+        a = self._admission
+        a.check_queue(self.client)
         self._queued = True
-        self._admission.queued += 1
+        a.places.take(self.client)
 
     def close(self) -> None:
         if not self._open:
@@ -135,7 +232,7 @@ class Ticket:
         self.uploaded()
         a = self._admission
         if self._queued:
-            a.queued -= 1
-        a.inflight_bytes -= self.charged
+            a.places.give(self.client)
+        a.bytes.give(self.client, self.charged)
         self.charged = 0
         a.inflight -= 1

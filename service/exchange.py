@@ -30,7 +30,7 @@ from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillEngine, PrefillJob, PrefillRequest, PrefillResult
 from zen_mla.pool import SharedBuffer
 
-from .admission import Ticket
+from .admission import Ticket, client_of
 from .body import SMALL_BYTES, give_back, read_body
 from .state import ServiceState, readiness
 
@@ -101,12 +101,14 @@ def content_length(request: Request) -> int:
 
 
 def admit(state: ServiceState, request: Request, limit: int) -> Ticket:
-    """Checks made before a byte of the body is read; the request's share of the admission."""
+    """Checks made before a byte of the body is read; the request's share of the admission,
+    counted to its client (the peer's address)."""
     n = content_length(request)
     if n > limit:
         raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
-    state.admission.check_queue()  # a full queue now is a 429 now, not after the upload
-    return state.admission.admit(n)
+    client = client_of(request.client.host if request.client is not None else None)
+    state.admission.check_queue(client)  # a full queue now is a 429 now, not after the upload
+    return state.admission.admit(n, client)
 
 
 async def receive(
@@ -260,10 +262,12 @@ async def compute(
     x.ticket.enqueue()
     batch = prepared.batch
     out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
+    client = x.ticket.client  # queued work takes turns between clients
     if out_bytes > SMALL_BYTES:
-        job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
+        # the pool may make (pre-fault) `out` at once
+        job = await asyncio.to_thread(run, client=client)
     else:
-        job = run(loop=asyncio.get_running_loop())
+        job = run(loop=asyncio.get_running_loop(), client=client)
     waiting = job.settled(x.remaining(s.deadline_s))  # a future: no task to step through
     watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
     watch: set[asyncio.Future[Any]] = {waiting, watcher}

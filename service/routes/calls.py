@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import socket
+import struct
 import time
 from typing import Any
 
@@ -33,6 +35,7 @@ from zen_mla.pool import Reply
 from zen_mla.regions.protocol import encode_frame
 from zen_mla.regions.server import Calls
 
+from ..admission import client_of
 from ..exchange import Exchange, compute, handle, ready_engine
 from ..problems import problem_body
 from ..state import ServiceState
@@ -71,7 +74,7 @@ async def _call(
                 "body", "the regions JSON request, as a string", type(body).__name__
             )
         raw = body.encode()  # at most the frame's cap: the socket's one reader read it
-        x.ticket = state.admission.admit_read(len(raw))
+        x.ticket = state.admission.admit_read(len(raw), client_of(peer_uid(fd)))
         x.bytes_in = len(raw)
         ingest_s = time.perf_counter() - x.t0
         resolved = resolve(raw, state.regions, engine)
@@ -102,6 +105,19 @@ async def _call(
     return await handle(
         state, ROUTE, work, answer_error, lambda: {"ok": False, **numbered, "status": 499}
     )
+
+
+def peer_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of the region socket `fd` (SO_PEERCRED): the
+    client its calls are counted to."""
+    sock = socket.socket(fileno=fd)
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+    return int(struct.unpack("3i", creds)[1])
 
 
 def refusal(exc: ZenMLAError, request_id: str | None = None) -> dict[str, Any]:

@@ -1,10 +1,11 @@
-"""Admission's counters (no server): a body already read takes no upload slot."""
+"""Admission's counters (no server): a body already read takes no upload slot, a small one
+none either; each client's share of slots, queue places and bytes; who may be displaced."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.admission import Admission
+from service.admission import SMALL_BODY, Admission
 from service.settings import Settings
 from zen_mla import QueueFullError
 
@@ -13,7 +14,7 @@ def test_a_body_read_already_holds_no_upload_slot_and_charges_its_bytes():
     a = Admission(
         Settings(max_uploads=1, max_queue=1, max_body_bytes=1000, max_inflight_bytes=1000)
     )
-    reading = a.admit(10)  # the one upload slot, taken
+    reading = a.admit(SMALL_BODY + 1)  # the one upload slot, taken (a small body takes none)
     read = a.admit_read(600)  # a socket frame: admitted all the same, its bytes charged
     assert (a.uploads, a.inflight, a.inflight_bytes) == (1, 2, 600)
     with pytest.raises(QueueFullError, match="budget"):
@@ -25,3 +26,90 @@ def test_a_body_read_already_holds_no_upload_slot_and_charges_its_bytes():
     read.close()
     reading.close()
     assert (a.uploads, a.inflight, a.queued, a.inflight_bytes) == (0, 0, 0, 0)
+
+
+A, B, C = ("addr", "10.0.0.1"), ("addr", "10.0.0.2"), ("uid", 1000)
+
+
+def _settings(**kw) -> Settings:
+    base = {"max_uploads": 4, "max_queue": 4, "max_body_bytes": 1 << 20}
+    return Settings(**(base | {"max_inflight_bytes": 1 << 22} | kw))
+
+
+def test_a_client_alone_takes_every_place_and_another_still_gets_its_share():
+    a = Admission(_settings())
+    flood = [a.admit_read(10, A) for _ in range(4)]
+    for t in flood:
+        t.enqueue()
+    with pytest.raises(QueueFullError, match="4 of them this client's"):
+        a.admit_read(10, A)  # alone it had them all; no more past the cap
+    mine = [a.admit_read(10, B) for _ in range(2)]  # its share of 4 between two: 2
+    for t in mine:
+        t.enqueue()
+    with pytest.raises(QueueFullError):
+        a.admit_read(10, B)
+    assert (a.queued, a.places.held[A], a.places.held[B]) == (6, 4, 2)
+    flood.pop().close()  # the flood's places come back; it may not refill past the cap
+    with pytest.raises(QueueFullError):
+        a.admit_read(10, A)
+    third = a.admit_read(10, C)  # a third client: its share is 4 // 3 = 1
+    third.enqueue()
+    with pytest.raises(QueueFullError):
+        a.admit_read(10, C)
+    for t in [*flood, *mine, third]:
+        t.close()
+    assert (a.queued, a.inflight, a.inflight_bytes, dict(a.places.held)) == (0, 0, 0, {})
+
+
+def test_the_share_exemptions_stay_within_twice_each_cap():
+    a = Admission(_settings(max_queue=8))
+    held = []
+    for client in [A] * 8 + [("addr", f"10.1.0.{i}") for i in range(40)]:
+        try:
+            t = a.admit_read(1, client)
+            t.enqueue()
+            held.append(t)
+        except QueueFullError:
+            pass
+    assert 8 < a.queued <= 16
+
+
+def test_a_small_body_holds_no_upload_slot():
+    a = Admission(_settings(max_uploads=1))
+    big = a.admit(1 << 20, A)
+    with pytest.raises(QueueFullError, match="being read"):
+        a.admit(1 << 20, A)
+    small = a.admit(1024, A)  # a few KiB: never waits for a slot
+    assert a.uploads == 1
+    for t in (big, small):
+        t.close()
+
+
+def test_an_upload_keeping_the_minimum_rate_is_never_displaced(monkeypatch):
+    a = Admission(_settings(max_uploads=2, min_body_rate=1e6))
+    now = [100.0]
+    monkeypatch.setattr("service.admission.time.monotonic", lambda: now[0])
+    keeping_up, behind = a.admit(1 << 20, A), a.admit(1 << 20, A)
+    now[0] += 2.0
+    keeping_up.got = int(1.5e6 * 2)  # 1.5 MB/s: above the minimum
+    behind.got = int(0.5e6 * 2)  # 0.5 MB/s: fallen behind it
+    newcomer = a.admit(1 << 20, A)  # takes the slot of the one behind
+    assert behind.displaced and not keeping_up.displaced
+    behind.close()
+    with pytest.raises(QueueFullError):  # every upload left keeps up: none is cut off
+        a.admit(1 << 20, A)
+    assert not keeping_up.displaced
+    for t in (keeping_up, newcomer):
+        t.close()
+    assert (a.uploads, a.inflight) == (0, 0)
+
+
+def test_another_clients_upload_is_let_in_within_its_share():
+    a = Admission(_settings(max_uploads=4))
+    flood = [a.admit(1 << 20, A) for _ in range(4)]
+    with pytest.raises(QueueFullError):
+        a.admit(1 << 20, A)
+    other = a.admit(1 << 20, B)  # no upload of A's fell behind: B's share lets it in
+    assert a.uploads == 5
+    for t in [*flood, other]:
+        t.close()

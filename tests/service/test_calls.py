@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import struct
@@ -127,20 +128,29 @@ def _long_call(server: Server, tokens: int = 12288) -> threading.Thread:
     return t
 
 
+def _hold_worker(server: Server) -> None:
+    """Stop the worker (SIGSTOP): whatever it is given next outlasts any deadline, on any host,
+    until the service abandons it and replaces the worker."""
+    wait_ready(server)
+    os.kill(server.health()["workers"][0]["pid"], signal.SIGSTOP)
+
+
 def test_429_with_retry_after_and_504_past_the_deadline(tight):
     small = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
     with PrefillClient(tight.url, shared_memory=True, retries=0) as client:
         client.prefill(*small)  # connected and greeted before the queue fills
-        busy = _long_call(tight)
+        _hold_worker(tight)
+        busy = _long_call(tight, 64)  # the one queue place, held by the stopped worker
         with pytest.raises(zen_mla.QueueFullError) as full:
             client.prefill(*small)
         assert full.value.retry_after == 1
-        busy.join(30)
+        busy.join(30)  # cut at its deadline, its worker replaced
+        _hold_worker(tight)
         with pytest.raises(zen_mla.DeadlineExceededError, match="deadline"):
-            client.prefill(*long_batch())
+            client.prefill(*small)
         wait_ready(tight)
         assert_close_to_reference(*small, True, client.prefill(*small))
-    # the other client's long call went over its own socket, and was cut at the deadline too
+    # the other client's call went over its own socket, and was cut at the deadline too
     assert socket_calls(tight, 429) == 1 and socket_calls(tight, 504) == 2
 
 
@@ -149,8 +159,19 @@ def test_a_retried_429_is_answered_once_there_is_room(tight):
     with PrefillClient(tight.url, shared_memory=True, retries=5, timeout=30) as client:
         client.prefill(*small)
         before = socket_calls(tight, 429)
-        busy = _long_call(tight, 4096)  # done within the deadline, well before ours
+        _hold_worker(tight)
+        pid = tight.health()["workers"][0]["pid"]
+        busy = _long_call(tight, 64)  # the one place, held until the worker goes on
+
+        def go_on_once_refused() -> None:
+            deadline = time.monotonic() + 20
+            while socket_calls(tight, 429) == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGCONT)  # the held call ends: there is room
+
+        resume = _in_thread(go_on_once_refused)
         assert_close_to_reference(*small, True, client.prefill(*small))
+        resume.join(30)
         busy.join(30)
     assert socket_calls(tight, 429) > before  # refused first, retried after Retry-After
 
@@ -191,12 +212,16 @@ def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
         while not any(w["state"] == "busy" for w in tight.health()["workers"]):
             assert time.monotonic() < deadline, "the call never started"
             time.sleep(0.02)
+        # held mid-work, so that it still runs when the hang-up is seen, however fast the host
+        os.kill(tight.health()["workers"][0]["pid"], signal.SIGSTOP)
         client.close()  # its work has started: it runs on, holding its place
-    time.sleep(0.2)
-    assert queue_depth(tight) == 1  # the started work holds its place
     deadline = time.monotonic() + 30
-    while socket_calls(tight, 499) - before < 1 or queue_depth(tight):
-        assert time.monotonic() < deadline, "the hang-up was not counted, or its place not freed"
+    while socket_calls(tight, 499) - before < 1:
+        assert time.monotonic() < deadline, "the hang-up was not counted"
+        time.sleep(0.02)
+    assert queue_depth(tight) == 1  # the started work holds its place
+    while queue_depth(tight):
+        assert time.monotonic() < deadline, "its place was not freed at its deadline"
         time.sleep(0.1)
     wait_ready(tight)
     q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
