@@ -1,5 +1,5 @@
 """A request the server never read is sent again, once, on another connection, within the call's
-deadline (`_base.Resend`): the service closes idle keep-alive connections at its connection cap,
+deadline (`_resend.Resend`): the service closes idle keep-alive connections at its connection cap,
 and such a close may cross the client's next request on it. Servers written by hand
 (tests/client/fake_server.py) make that crossing happen every time: they act once the request's
 bytes came. Each case runs the blocking and the asyncio client."""

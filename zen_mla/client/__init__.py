@@ -28,9 +28,10 @@ region the client holds (or not at all, for tensors made with `empty()`), and th
 them and write the results there.
 
 The modules behind it: `_base` (all the twins share: the request, the deadline, endpoints,
-retries, resends), `_answers` (answers read and checked, problems as exceptions), `_offers` (each
-endpoint's same-host regions, and when to ask again), `_sync` and `_async` (their I/O),
-`_transport` (the blocking client's sockets, bounded by the call's deadline).
+retries), `_resend` (when an exchange is sent again), `_answers` (answers read and checked,
+problems as exceptions), `_offers` (each endpoint's same-host regions, and when to ask again),
+`_sync` and `_async` (their I/O), `_transport` (the blocking client's sockets, bounded by the
+call's deadline).
 """
 
 from ._async import AsyncPrefillClient

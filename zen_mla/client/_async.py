@@ -13,8 +13,9 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Resend, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
+from ._resend import Resend
 
 __all__ = ["AsyncPrefillClient"]
 

@@ -13,8 +13,9 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillResult, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Resend, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
+from ._resend import Resend
 from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
 
 __all__ = ["PrefillClient"]
@@ -28,7 +29,7 @@ class PrefillClient(BaseClient):
     seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
     for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried;
     apart from them, a request the server never read (a kept connection it closed as the
-    request went out) is sent once more on another connection (`_base.Resend`).
+    request went out) is sent once more on another connection (`_resend.Resend`).
     With a `transport` of your own, its sockets' reads wait as long as it lets them; the call's
     deadline is checked between them.
     """
