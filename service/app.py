@@ -121,7 +121,10 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     if path is None:
         return
     registry = RegionRegistry(
-        max_regions=s.shm_max_regions, max_bytes=s.shm_max_bytes, adopt=engine.adopt
+        max_regions=s.shm_max_regions,
+        max_bytes=s.shm_max_bytes,
+        max_total_bytes=s.shm_max_total_bytes,
+        adopt=engine.adopt,
     )
     server = RegionServer(
         path,

@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-socket", dest="shm_socket", help="the regions' socket path")
     serve.add_argument("--shm-max-regions", dest="shm_max_regions", type=int)
     serve.add_argument("--shm-max-bytes", dest="shm_max_bytes", type=int)
+    serve.add_argument("--shm-max-total-bytes", dest="shm_max_total_bytes", type=int)
     serve.add_argument("--shm-max-clients", dest="shm_max_clients", type=int)
     serve.add_argument("--shm-max-waiting", dest="shm_max_waiting", type=int)
     serve.add_argument(

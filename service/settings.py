@@ -72,7 +72,17 @@ class Settings(BaseSettings):
         "/tmp/zen-mla-<uid>/regions-<port>.sock",
     )
     shm_max_regions: int = Field(64, ge=1, description="regions one client may hold")
-    shm_max_bytes: int = Field(64 << 30, ge=1, description="bytes of regions one client may hold")
+    shm_max_bytes: int = Field(
+        64 << 30,
+        ge=1,
+        description="bytes of regions one client (one uid, over all its connections) may hold",
+    )
+    shm_max_total_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of regions of all region-socket clients together; default: the "
+        "host's memory",
+    )
     shm_max_clients: int = Field(
         64, ge=1, description="region-socket connections that said hello, at once"
     )

@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import socket
-import struct
 import time
 from typing import Any
 
@@ -56,7 +54,11 @@ MAX_CALL = (1 << 53) - 1
 
 
 async def _call(
-    state: ServiceState, message: dict[str, Any], gone: asyncio.Future[None], fd: int
+    state: ServiceState,
+    message: dict[str, Any],
+    gone: asyncio.Future[None],
+    fd: int,
+    uid: int | None,
 ) -> dict[str, Any] | None:
     call = message.get("call")
     numbered = {"call": call} if type(call) is int and 0 <= call <= MAX_CALL else {}
@@ -74,7 +76,7 @@ async def _call(
                 "body", "the regions JSON request, as a string", type(body).__name__
             )
         raw = body.encode()  # at most the frame's cap: the socket's one reader read it
-        x.ticket = state.admission.admit_read(len(raw), client_of(peer_uid(fd)))
+        x.ticket = state.admission.admit_read(len(raw), client_of(uid))
         x.bytes_in = len(raw)
         ingest_s = time.perf_counter() - x.t0
         resolved = resolve(raw, state.regions, engine)
@@ -105,19 +107,6 @@ async def _call(
     return await handle(
         state, ROUTE, work, answer_error, lambda: {"ok": False, **numbered, "status": 499}
     )
-
-
-def peer_uid(fd: int) -> int | None:
-    """The uid of the process at the other end of the region socket `fd` (SO_PEERCRED): the
-    client its calls are counted to."""
-    sock = socket.socket(fileno=fd)
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    finally:
-        sock.detach()
-    return int(struct.unpack("3i", creds)[1])
 
 
 def refusal(exc: ZenMLAError, request_id: str | None = None) -> dict[str, Any]:

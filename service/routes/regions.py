@@ -62,6 +62,7 @@ def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Reg
     kept = registry.memo.get(key)
     if isinstance(kept, _Placed):
         w = kept.work
+        registry.check_populated(w.places)  # holes punched since it was kept
         return RegionWork(
             engine.prepare(kept.tensors, w.options), w.inputs, w.outputs, w.places, w.options
         )

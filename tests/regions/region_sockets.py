@@ -1,11 +1,15 @@
 """A RegionServer on an event loop of its own in this process, and raw clients of its socket,
-for the region socket's tests (no service process)."""
+for the region socket's tests (no service process); and what a region costs whom: holes
+punched in a memfd, the memory it holds, and which processes map it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,3 +76,46 @@ def refused(s: socket.socket) -> tuple[int, float]:
         rest = b""
     assert rest == b"", "the connection stayed open after a refusal"
     return int(reply["status"]), time.monotonic() - t0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # <linux/falloc.h>
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> None:
+    """Give the memory of bytes `[offset, offset + nbytes)` of `fd` back (they read as zeros,
+    and the next touch faults a new page in): what F_SEAL_SHRINK does not stop."""
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(nbytes)):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def held_bytes(fd: int) -> int:
+    """The memory the file behind `fd` holds (its pages, written or fallocated)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def service_pids(pid: int) -> list[int]:
+    """A server process and its children (the workers)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid, *map(int, out.split())]
+
+
+def mapping(pid: int, name: str) -> bool:
+    """Process `pid` maps a memfd called `name`."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(f"/memfd:{name} " in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def holding(pid: int, name: str) -> bool:
+    """Process `pid` has a descriptor of a memfd called `name`."""
+    with contextlib.suppress(FileNotFoundError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} "):
+                    return True
+    return False

@@ -17,7 +17,9 @@ from zen_mla.regions.protocol import call_fields, encode_frame
 def test_a_reply_to_an_earlier_call_is_passed_over(tmp_path):
     seen: list[Any] = []
 
-    async def hook(message: dict[str, Any], gone: asyncio.Future[None], fd: int) -> dict | None:
+    async def hook(
+        message: dict[str, Any], gone: asyncio.Future[None], fd: int, uid: int | None
+    ) -> dict | None:
         call = message["call"]
         seen.append(call)
         body = message["body"]

@@ -121,7 +121,7 @@ UNMAPPABLE = {
         "sealed against writing",
     ),
     "reopened_read_only": (_read_only, "read-write"),
-    "hugetlb_without_huge_pages": (_hugetlb, "huge pages"),
+    "hugetlb_without_huge_pages": (_hugetlb, "holes.* huge pages"),
 }
 
 

@@ -3,7 +3,9 @@
 A memfd has no name in /dev/shm, so nothing can leak there: its pages are freed when the last
 mapping and the last descriptor are gone, also when a worker is killed mid-request. Workers get
 the descriptor over their pipe (SCM_RIGHTS) with a task that names a buffer they have not
-mapped, and keep it mapped until told to forget it (`WorkerMappings`).
+mapped, and keep it mapped until told to forget it (`WorkerMappings`). A client's memfd
+(`SharedBuffer.adopt`) is unmapped here once its region has ended (`release()`) and no request
+holds the buffer, not when the last view of it is collected.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class SharedBuffer:
     reading a socket straight into it). A buffer of the pool's own is pre-faulted (`populate`)
     unless made with `prefault=False`, which leaves it to `fault_in()` as it is filled (a body
     whose bytes have not come yet then holds no memory); one adopted from a client (`adopt()`)
-    is not: its pages are the client's, faulted in as they are used.
+    is not: its pages are the client's, faulted in as they are used, and `release()` gives
+    them up when the client's region ends.
     """
 
     def __init__(
@@ -56,16 +59,24 @@ class SharedBuffer:
         try:
             if self.populate:
                 os.ftruncate(self.fd, max(nbytes, 1))
-            self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+                self._map = mmap.mmap(self.fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+                start, span = 0, max(nbytes, 1)
+            else:
+                self._map, start, span = _map_over(self.fd, nbytes)
         except BaseException:
             os.close(self.fd)
             raise
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._start = start
+        self._bytes = torch.frombuffer(
+            self._map, dtype=torch.uint8, count=max(nbytes, 1), offset=start
+        )
         self.base = self._bytes.data_ptr()
         self.faulted = 0  # bytes from the start known to be faulted in
         if self.populate and prefault:
             self.fault_in(nbytes)
-        weakref.finalize(self, _free, self.fd, self.id, on_free)
+        client = None if self.populate else (self._map, self.base, span)
+        self._end = _End(self.fd, self.id, on_free, client)
+        weakref.finalize(self, self._end)
 
     @classmethod
     def adopt(
@@ -74,6 +85,20 @@ class SharedBuffer:
         """A buffer over a memfd someone else made (`fd` is the buffer's from now on); the
         caller has checked that it cannot shrink below `nbytes`."""
         return cls(nbytes, on_free, _fd=fd)
+
+    @property
+    def released(self) -> bool:
+        """An adopted buffer whose region ended (`release()`)."""
+        return self._end.released
+
+    def release(self) -> None:
+        """An adopted buffer's region ended. Once the object is freed, which is at once where
+        no request in flight or task still queued holds it, the client's pages are unmapped
+        here even under a view of them left over (a job's result in a reference cycle would
+        keep them till the next garbage collection; the view then reads zeros), and the pool
+        is told (`on_free`: the workers unmap them with their next task, or while idle)."""
+        if not self.populate:
+            self._end.released = True
 
     def fault_in(self, upto: int) -> None:
         """Fault the pages of bytes `[faulted, upto)` in now, in one go (a buffer of the pool's
@@ -87,7 +112,7 @@ class SharedBuffer:
 
     @property
     def bytes_view(self) -> memoryview:
-        return memoryview(self._map)[: self.nbytes]
+        return memoryview(self._map)[self._start : self._start + self.nbytes]
 
     def tensor(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         n = 1
@@ -104,6 +129,8 @@ class SharedBuffer:
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+_MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x10, 0x20, 0x4000  # <linux/mman.h>, x86 and arm64
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _prefault(address: int, nbytes: int) -> None:
@@ -114,13 +141,80 @@ def _prefault(address: int, nbytes: int) -> None:
     _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
 
 
+def _map_over(fd: int, nbytes: int) -> tuple[mmap.mmap, int, int]:
+    """A client's memfd `fd` mapped shared, read-write: the mmap object whose range holds it,
+    where in that range it starts, and how many bytes of it are mapped.
+
+    Python's `mmap.mmap(fd)` keeps a descriptor of the file for the object's life, which a
+    view kept past the region's end (a job's result in a reference cycle, say) would stretch
+    to the next garbage collection, and the client's memory with it. So the mmap object here is
+    an anonymous reservation that holds no descriptor, and the memfd is mapped over part of it
+    (MAP_FIXED), where `_unmap_client` can take it away again; the object unmaps the whole
+    range once freed. The start is aligned to the file's block size: a hugetlb memfd maps only
+    at a huge page's boundary, and in whole huge pages."""
+    align = max(os.fstat(fd).st_blksize, mmap.PAGESIZE)
+    span = (max(nbytes, 1) + align - 1) // align * align
+    reserved = mmap.mmap(-1, span + align - mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    address = int(torch.frombuffer(reserved, dtype=torch.uint8).data_ptr())
+    start = -address % align
+    mapped = _libc.mmap(
+        ctypes.c_void_p(address + start),
+        ctypes.c_size_t(span),
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_SHARED | _MAP_FIXED,
+        fd,
+        ctypes.c_long(0),
+    )
+    if mapped == _MAP_FAILED:
+        err = ctypes.get_errno()
+        reserved.close()
+        raise OSError(err, os.strerror(err))
+    return reserved, start, span
+
+
+def _unmap_client(address: int, span: int) -> None:
+    """Fresh anonymous memory (reading zeros, holding no page until written) where `_map_over`
+    mapped a client's memfd, so that this process maps the client's pages no more. Should the
+    kernel refuse (out of mappings), the memfd stays mapped until the object is freed."""
+    _libc.mmap(
+        ctypes.c_void_p(address),
+        ctypes.c_size_t(span),
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS | _MAP_NORESERVE,
+        -1,
+        ctypes.c_long(0),
+    )
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
 
 
-def _free(fd: int, buf_id: int, on_free: Callable[[int], None] | None) -> None:
-    os.close(fd)
-    if on_free is not None:
-        on_free(buf_id)
+class _End:
+    """A buffer's end, run once the object is freed (its finalizer, holding none of it but the
+    mmap object of an adopted one's mapping, which therefore lives until then): the descriptor
+    closed, the pool told (`on_free`), and where `released`, the client's memfd unmapped from
+    under whatever views are left (`_unmap_client`)."""
+
+    def __init__(
+        self,
+        fd: int,
+        buf_id: int,
+        on_free: Callable[[int], None] | None,
+        client: tuple[mmap.mmap, int, int] | None,
+    ) -> None:
+        self.fd, self.buf_id, self.on_free = fd, buf_id, on_free
+        self.client = client  # an adopted buffer's mapping: its mmap object, address, span
+        self.released = False
+
+    def __call__(self) -> None:
+        if self.released and self.client is not None:
+            _, address, span = self.client
+            _unmap_client(address, span)
+        self.client = None
+        os.close(self.fd)
+        if self.on_free is not None:
+            self.on_free(self.buf_id)
 
 
 def tensor_ref(buf: SharedBuffer, t: torch.Tensor) -> TensorRef:

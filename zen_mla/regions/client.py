@@ -189,7 +189,8 @@ def _refusal(reply: dict[str, Any]) -> ZenMLAError:
 
 
 class ClientRegion:
-    """A registered memfd, mapped here."""
+    """A registered memfd, mapped here; its pages are allocated before it is registered (the
+    service refuses a region with holes: its memory is the client's to pay for)."""
 
     def __init__(self, client: RegionClient, nbytes: int) -> None:
         fd = create_sealed_memfd(nbytes)

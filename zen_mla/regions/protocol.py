@@ -35,6 +35,7 @@ __all__ = [
     "descriptors",
     "encode_frame",
     "numbered",
+    "peer_uid",
     "recv_frame",
     "send_frame",
 ]
@@ -187,3 +188,22 @@ def recv_frame(
         message = reader.feed(chunk)
         if message is not None:
             return message
+
+
+#: struct ucred: pid, uid, gid
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of the Unix socket `fd` (SO_PEERCRED): the client
+    its regions and calls are counted to; None where the kernel does not say."""
+    sock = socket.socket(fileno=fd)
+    try:
+        _, uid, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+    return int(uid)

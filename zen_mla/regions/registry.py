@@ -1,10 +1,18 @@
 """Same-host regions: shared memory a client hands the service, by handle.
 
-A client creates a memfd sealed against shrinking and passes its descriptor over a Unix socket
-(SCM_RIGHTS, `region_server`); it gets an unguessable handle back, which its prefill requests
-name instead of sending tensor bytes (`region_request`). The service maps only memory handed to
-it this way. A region ends when its client unregisters it or closes the socket; a request in
-flight keeps its mapping alive until it finishes.
+A client creates a memfd sealed against shrinking, its pages populated, and passes its
+descriptor over a Unix socket (SCM_RIGHTS, `region_server`); it gets an unguessable handle back,
+which its prefill requests name instead of sending tensor bytes (`region_request`). The service
+maps only memory handed to it this way. A region ends when its client unregisters it or closes
+the socket; a request in flight keeps its mapping alive until it finishes, and then this process
+unmaps it at once and the workers are told to (`SharedBuffer.release`).
+
+Regions cost their owner. A memfd whose pages are not all populated is refused at registration,
+and a region found with holes when a request names it refuses the request: pages a worker
+faulted into a hole would be the service's memory, charged to it. What a client that punches
+holes between that check and a worker's read makes the service fault in is bounded by its byte
+budget. The budget is per owner (the peer's uid on the region socket, over all its connections),
+and `max_total_bytes` caps the regions of all owners together.
 
 `RegionRegistry` is owned by the event loop's thread (the region server and the HTTP handlers
 run there): it takes no lock.
@@ -15,7 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +32,7 @@ from ..errors import InvalidInputError, ServiceUnavailableError
 from ..pool import SharedBuffer
 from ..wire.dtypes import BY_SAFETENSORS
 from ..wire.regions_json import TensorPlace
-from .memfd import check_sealed_memfd
+from .memfd import check_populated, check_sealed_memfd, unpopulated
 
 __all__ = ["Region", "RegionRegistry", "Span", "check_disjoint"]
 
@@ -37,15 +45,19 @@ class Region:
     nbytes: int
     memory: tuple[int, int]  # (st_dev, st_ino): two handles of one memfd are one memory
     buffer: SharedBuffer
+    owner: Hashable  # whose byte budget it counts against: the peer's uid on the region socket
 
 
 class RegionRegistry:
-    """Regions by handle, with per-client limits on their number and bytes. A client's regions
-    are the dict it holds (`held`), so dropping a client drops exactly its own.
+    """Regions by handle, with per-client limits on their number (per connection: the dict a
+    client holds, `held`, so dropping a client drops exactly its own) and on their bytes (per
+    `owner`, over all its connections: `max_bytes`; and over all owners: `max_total_bytes`,
+    by default the host's memory).
 
     `memo` is for what a caller derives from the regions as they are (a request's tensors,
     resolved): it is emptied whenever a region goes, so nothing kept there outlives a region
-    or keeps its memory mapped."""
+    or keeps its memory mapped. A caller that reuses what it kept checks that the regions are
+    still populated first (`check_populated`)."""
 
     def __init__(
         self,
@@ -53,18 +65,31 @@ class RegionRegistry:
         max_regions: int,
         max_bytes: int,
         adopt: Callable[[int, int], SharedBuffer],
+        max_total_bytes: int | None = None,
     ) -> None:
         self.max_regions, self.max_bytes = max_regions, max_bytes
+        self.max_total_bytes = _host_memory() if max_total_bytes is None else max_total_bytes
         self._adopt = adopt
         self._regions: dict[str, Region] = {}
+        self._bytes: dict[Hashable, int] = {}  # owner -> bytes of its regions
+        self._total = 0  # bytes of all regions
         self.memo: dict[object, object] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
 
-    def register(self, fd: int, held: dict[str, Region]) -> Region:
+    def bytes_of(self, owner: Hashable) -> int:
+        """Bytes of the regions `owner` holds, over all its connections."""
+        return self._bytes.get(owner, 0)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the regions of all owners."""
+        return self._total
+
+    def register(self, fd: int, held: dict[str, Region], owner: Hashable = None) -> Region:
         """Take `fd` (closed here whatever happens; the mapping keeps the memory) as a new
-        region of the client whose regions are `held`."""
+        region of the client whose regions are `held`, counted against `owner`'s bytes."""
         try:
             nbytes = check_sealed_memfd(fd)
             st = os.fstat(fd)
@@ -73,24 +98,34 @@ class RegionRegistry:
                 raise InvalidInputError(
                     "region", f"at most {self.max_regions} regions per client", f"{len(held) + 1}"
                 )
-            total = sum(r.nbytes for r in held.values()) + nbytes
-            if total > self.max_bytes:
+            mine = self.bytes_of(owner) + nbytes
+            if mine > self.max_bytes:
                 raise InvalidInputError(
                     "region",
-                    f"at most {self.max_bytes} bytes of regions per client",
-                    f"{total} bytes",
+                    f"at most {self.max_bytes} bytes of regions per client (its user's, over "
+                    "all its connections)",
+                    f"{mine} bytes",
                     "Unregister regions you no longer use",
+                )
+            if self._total + nbytes > self.max_total_bytes:
+                raise ServiceUnavailableError(
+                    f"region: the service holds {self._total} bytes of regions of all its "
+                    f"clients, and takes at most {self.max_total_bytes}; try again later",
+                    retry_after=1.0,
                 )
             if any(r.memory == memory for r in held.values()):
                 raise InvalidInputError(
                     "region", "each memfd registered once", "a memfd that is registered already"
                 )
+            check_populated(fd, nbytes)
             buffer = self._map(fd, nbytes)
         finally:
             os.close(fd)
-        region = Region(secrets.token_urlsafe(18), nbytes, memory, buffer)
+        region = Region(secrets.token_urlsafe(18), nbytes, memory, buffer, owner)
         self._regions[region.handle] = region
         held[region.handle] = region
+        self._bytes[owner] = mine
+        self._total += nbytes
         return region
 
     def _map(self, fd: int, nbytes: int) -> SharedBuffer:
@@ -107,17 +142,32 @@ class RegionRegistry:
             ) from exc
 
     def unregister(self, handle: str, held: dict[str, Region]) -> None:
-        if held.pop(handle, None) is None:
+        region = held.pop(handle, None)
+        if region is None:
             raise InvalidInputError("region", "a handle this client registered", _shown(handle))
-        del self._regions[handle]
-        self.memo.clear()
+        self._end([region])
 
     def drop(self, held: dict[str, Region]) -> None:
-        for handle in held:
-            self._regions.pop(handle, None)
-        if held:
-            self.memo.clear()
+        """End every region of a client that left."""
+        regions = list(held.values())
         held.clear()
+        self._end(regions)
+
+    def _end(self, regions: Iterable[Region]) -> None:
+        """Forget `regions` (handles, bytes, what the memo kept of them) and give their memory
+        up: at once, or once the requests in flight that name them are done."""
+        ended = [r for r in regions if self._regions.pop(r.handle, None) is not None]
+        if not ended:
+            return
+        self.memo.clear()
+        for region in ended:
+            left = self._bytes[region.owner] - region.nbytes
+            if left:
+                self._bytes[region.owner] = left
+            else:
+                del self._bytes[region.owner]
+            self._total -= region.nbytes
+            region.buffer.release()
 
     def resolve(self, handle: str) -> Region:
         region = self._regions.get(handle)
@@ -145,7 +195,19 @@ class RegionRegistry:
                 f"bytes [{place.offset}, {end}) inside its region of {region.nbytes} bytes",
                 f"a range past its end by {end - region.nbytes} bytes",
             )
+        _check_whole(name, region)
         return region.buffer.tensor(place.offset, place.shape, dtype)
+
+    def check_populated(self, places: Mapping[str, TensorPlace]) -> None:
+        """Each region `places` names is registered and still has all its pages (a client may
+        punch holes in a region after registering it); InvalidInputError names the first
+        tensor that lies in one that has not. One `fstat` per region (~1-2 us): for a request
+        whose resolution was kept (`memo`), which `tensor()` then does not check again."""
+        seen: set[str] = set()
+        for name, place in places.items():
+            if place.region not in seen:
+                seen.add(place.region)
+                _check_whole(name, self.resolve(place.region))
 
     def check_disjoint(self, places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
         """The tensors named `outputs` overlap neither each other nor any other tensor in
@@ -195,6 +257,21 @@ def check_disjoint(spans: Sequence[Span], outputs: Sequence[str], alias: str) ->
                         f"({other.name}: [{other.start}, {other.end}){same})",
                         f"[{span.start}, {span.end})",
                     )
+
+
+def _check_whole(name: str, region: Region) -> None:
+    holes = unpopulated(region.buffer.fd, region.nbytes)
+    if holes:
+        raise InvalidInputError(
+            name,
+            "a place in a region whose pages are all populated (punch no holes in a region "
+            "while it is registered)",
+            f"{holes} of its region's {region.nbytes} bytes are holes",
+        )
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _shown(handle: str) -> str:

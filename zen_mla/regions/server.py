@@ -1,7 +1,9 @@
 """The Unix socket that same-host clients hand their regions over (protocol: `protocol`).
 
 It runs on the event loop, reading through `add_reader` without blocking, so it shares the
-`RegionRegistry` with the HTTP handlers without a lock. Closing a connection ends its regions.
+`RegionRegistry` with the HTTP handlers without a lock. Closing a connection ends its regions
+(unmapped once no request in flight names them). A client is the peer's uid (SO_PEERCRED): one
+user's connections share one byte budget and one share of the queue.
 
 The door's rules hold here as on HTTP: a connection must say `hello` (with the token, where one
 is set) within `hello_timeout_s`, and holds no descriptor and at most one frame until then;
@@ -41,15 +43,17 @@ from ..errors import (
     ZenMLAError,
     status_of,
 )
-from .protocol import FrameError, FrameReader, descriptors, encode_frame
+from .protocol import FrameError, FrameReader, descriptors, encode_frame, peer_uid
 from .registry import Region, RegionRegistry
 
 __all__ = ["Calls", "RegionServer"]
 
 #: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
-#: hangs up, the connection's descriptor) -> the reply, or None where a worker wrote it to the
-#: descriptor itself (whole, or the connection shut down)
-Calls = Callable[[dict[str, Any], "asyncio.Future[None]", int], Awaitable[dict[str, Any] | None]]
+#: hangs up, the connection's descriptor, the peer's uid) -> the reply, or None where a worker
+#: wrote it to the descriptor itself (whole, or the connection shut down)
+Calls = Callable[
+    [dict[str, Any], "asyncio.Future[None]", int, int | None], Awaitable[dict[str, Any] | None]
+]
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -62,6 +66,7 @@ _ACCEPT_PAUSE_S = 0.1  # out of descriptors: wait before accepting again, not sp
 class _Client:
     id: int
     sock: socket.socket
+    uid: int | None  # the peer's (SO_PEERCRED): whose byte budget its regions count against
     reader: FrameReader = field(default_factory=FrameReader)
     fd: int | None = None  # the descriptor of the frame being read (register's memfd)
     greeted: bool = False
@@ -177,7 +182,7 @@ class RegionServer:
         if len(self._waiting) >= self.max_unauthenticated:
             oldest = next(iter(self._waiting.values()))
             self._refuse(oldest, 503, "too many region connections yet to say hello")
-        client = _Client(next(self._ids), sock)
+        client = _Client(next(self._ids), sock, peer_uid(sock.fileno()))
         self._waiting[client.id] = client
         client.timer = self._loop.call_later(
             self.hello_timeout_s, self._expire, client, f"no hello within {self.hello_timeout_s} s"
@@ -268,7 +273,7 @@ class RegionServer:
                 if fd is None:
                     raise InvalidInputError("register", "one descriptor with it", "none")
                 taken, fd = fd, None
-                region = self.registry.register(taken, client.regions)  # closes `taken`
+                region = self.registry.register(taken, client.regions, client.uid)  # closes it
                 return {"ok": True, "region": region.handle, "nbytes": region.nbytes}
             if op == "unregister":
                 self.registry.unregister(str(message.get("region", "")), client.regions)
@@ -317,7 +322,7 @@ class RegionServer:
         gone: asyncio.Future[None],
     ) -> None:
         try:
-            reply = await calls(message, gone, client.sock.fileno())
+            reply = await calls(message, gone, client.sock.fileno(), client.uid)
         except Exception:  # the hook answers its errors; a bug costs this connection only
             log.exception("region socket: client %d's call", client.id)
             reply = _refusal(500, "the region socket failed on this call")
