@@ -86,14 +86,17 @@ def test_a_small_body_holds_no_upload_slot():
 
 
 def test_an_upload_keeping_the_minimum_rate_is_never_displaced(monkeypatch):
-    a = Admission(_settings(max_uploads=2, min_body_rate=1e6))
+    a = Admission(_settings(max_uploads=2, min_body_rate=1e6, body_grace_s=1.0))
     now = [100.0]
     monkeypatch.setattr("service.admission.time.monotonic", lambda: now[0])
     keeping_up, behind = a.admit(1 << 20, A), a.admit(1 << 20, A)
-    now[0] += 2.0
+    now[0] += 0.5
+    with pytest.raises(QueueFullError):  # nothing read yet, but in its grace: not judged
+        a.admit(1 << 20, A)
+    now[0] += 1.5
     keeping_up.got = int(1.5e6 * 2)  # 1.5 MB/s: above the minimum
     behind.got = int(0.5e6 * 2)  # 0.5 MB/s: fallen behind it
-    newcomer = a.admit(1 << 20, A)  # takes the slot of the one behind
+    newcomer = a.admit(1 << 20, A)  # takes the slot of the one behind, past its grace
     assert behind.displaced and not keeping_up.displaced
     behind.close()
     with pytest.raises(QueueFullError):  # every upload left keeps up: none is cut off

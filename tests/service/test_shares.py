@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import multiprocessing
 import os
+import select
 import tempfile
 import threading
 import time
@@ -115,7 +116,17 @@ def test_uploads_keeping_every_slot_leave_small_bodies_and_other_clients_in(door
 
 
 def _paced_post(server: Server, body: bytes, rate: float) -> tuple[int, bytes, float]:
-    """POST `body` to /prefill at `rate` bytes/s; (status, body, seconds)."""
+    """POST `body` to /prefill at `rate` bytes/s, again after a 429 (which comes before the body
+    is read), within LOCKOUT_S; (status, body, seconds) of the last try."""
+    end = time.monotonic() + LOCKOUT_S
+    while True:
+        status, content, took = _paced_post_once(server, body, rate)
+        if status != 429 or time.monotonic() > end:
+            return status, content, took
+        time.sleep(0.2)
+
+
+def _paced_post_once(server: Server, body: bytes, rate: float) -> tuple[int, bytes, float]:
     host, port = address(server)
     conn = http.client.HTTPConnection(host, port, timeout=60)
     t0 = time.monotonic()
@@ -126,6 +137,8 @@ def _paced_post(server: Server, body: bytes, rate: float) -> tuple[int, bytes, f
         conn.endheaders()
         sent, step = 0, 32 << 10
         while sent < len(body):
+            if select.select([conn.sock], [], [], 0)[0]:
+                break  # answered before the whole body came (a 429, a 408)
             ahead = sent - (time.monotonic() - t0) * rate
             if ahead > 0:
                 time.sleep(ahead / rate)
@@ -250,6 +263,10 @@ def _region_calls_as(uid: int, url: str, tensors, n: int, conn) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root to become one")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the client pins its regions through CUDA, which a forked child cannot use",
+)
 def test_a_region_caller_of_another_uid_gets_its_answers_through_a_flood(tmp_path):
     """Eight region-socket connections kept the queue full of 4096-token calls: a region caller
     of another uid got 0 of 4 answers (QueueFullError after 3 s). Clients on the region socket
