@@ -201,10 +201,13 @@ class Ticket:
         self._open = True
 
     def displace(self) -> None:
-        """Cut this upload off (its read raises RequestTimeoutError) for another."""
+        """Cut this upload off (its read raises RequestTimeoutError) for another. One whose
+        read has timed out already (its timer expired, its slot not given back yet: the read
+        ends at its next turn) is left to end so."""
         self.displaced = True
-        if self.timer is not None:
-            self.timer.reschedule(asyncio.get_running_loop().time())
+        timer = self.timer
+        if timer is not None and not timer.expired():
+            timer.reschedule(asyncio.get_running_loop().time())
 
     def charge(self, nbytes: int) -> None:
         """`nbytes` more of the byte budget, or QueueFullError (429)."""

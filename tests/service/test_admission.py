@@ -3,6 +3,8 @@ none either; each client's share of slots, queue places and bytes; who may be di
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from service.admission import SMALL_BODY, Admission
@@ -116,3 +118,31 @@ def test_another_clients_upload_is_let_in_within_its_share():
     assert a.uploads == 5
     for t in [*flood, other]:
         t.close()
+
+
+def test_an_upload_whose_read_timed_out_already_is_displaced_without_error():
+    """Its timer expired (the read ends at its next turn, giving its slot back): displacing it
+    must not reschedule the expired timer (a RuntimeError, answered 500 to the newcomer, seen on
+    a 16-core Intel host), and the newcomer is let in."""
+
+    async def main() -> None:
+        a = Admission(_settings(max_uploads=1, min_body_rate=1e6, body_grace_s=0.0))
+        dying = a.admit(1 << 20, A)
+        timers: list[asyncio.Timeout] = []
+
+        async def read() -> None:
+            async with asyncio.timeout(0) as timer:
+                timers.append(timer)
+                await asyncio.sleep(10)
+
+        with pytest.raises(TimeoutError):
+            await read()
+        dying.timer = timers[0]
+        assert dying.timer.expired()
+        dying.started -= 1.0  # past its grace, nothing read
+        newcomer = a.admit(1 << 20, A)  # no RuntimeError
+        assert dying.displaced
+        for t in (dying, newcomer):
+            t.close()
+
+    asyncio.run(main())
