@@ -21,8 +21,8 @@ UNSAFE = re.compile(r"\b(pickle|torch\.load|eval\(|exec\(|marshal|shelve|yaml\.l
 #: request is pickled. Per file: why, and the lines allowed there.
 PRIVATE_PIPE = {
     "zen_mla/pool/_worker.py": (
-        "a worker reads its own supervisor's RunTask and Stop",
-        {"import pickle", "msg: RunTask | Stop = pickle.loads(_recv_exact(sock, n))"},
+        "a worker reads its own supervisor's RunTask, Forget and Stop",
+        {"import pickle", "msg: RunTask | Forget | Stop = pickle.loads(_recv_exact(sock, n))"},
     ),
     "zen_mla/pool/_process.py": (
         "the supervisor pickles a task for its worker and reads the worker's Ready, Done,"
@@ -35,8 +35,12 @@ PRIVATE_PIPE = {
         },
     ),
     "zen_mla/pool/_dispatch.py": (
-        "a worker's dispatcher reads its answers and heartbeats (WorkerProcess.recv)",
-        {"proc.recv()", "msg: ToSupervisor = proc.recv()"},
+        "a worker's dispatcher reads an idle worker's heartbeats (WorkerProcess.recv)",
+        {"msg: ToSupervisor = proc.recv()"},
+    ),
+    "zen_mla/pool/_traffic.py": (
+        "a worker's dispatcher reads a task's answer and heartbeats (WorkerProcess.recv)",
+        {"msg: ToSupervisor = proc.recv()"},
     ),
     "zen_mla/pool/_direct.py": (
         "an event loop running a task on a lent worker reads its answer (WorkerProcess.recv)",
@@ -56,6 +60,7 @@ def test_the_scan_covers_every_module_that_handles_a_request_or_a_task():
         "zen_mla/engine.py",
         "zen_mla/pool/_supervisor.py",
         "zen_mla/pool/_dispatch.py",
+        "zen_mla/pool/_traffic.py",
         "zen_mla/pool/_process.py",
         "zen_mla/pool/_shm.py",
         "zen_mla/pool/_worker.py",

@@ -13,6 +13,14 @@ from zen_mla.attention import select_kernel, validate
 from zen_mla.pool import PoolJob, PoolResult, SharedBuffer, WorkerPool
 
 
+def small_batch(seed: int = 0, tokens: int = 9):
+    """Two causal requests of 16 MLA heads in bf16 (q, k, v, q_cu_seq_lens): a task of one."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(tokens, 16, 192, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(tokens, 16, 128, generator=g, dtype=torch.bfloat16)
+    return q, k, v, torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
+
+
 def submit(
     pool: WorkerPool,
     q: torch.Tensor,

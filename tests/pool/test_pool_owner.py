@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zen_mla
-from tests.pool.jobs import run, submit
+from tests.pool.jobs import run, small_batch, submit
 from zen_mla import KernelError
 from zen_mla.attention import select_kernel, validate
 from zen_mla.pool import PoolConfig, PoolJob, WorkerPool
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.slow
 def pool():
     with WorkerPool(PoolConfig(workers=1, ping_interval=0.2, ping_timeout=5)) as p:
         yield p
-
-
-def _small(seed: int = 0, tokens: int = 9):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(tokens, 16, 192, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(tokens, 16, 128, generator=g, dtype=torch.bfloat16)
-    return q, k, v, torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
 
 
 def _submit_from(pool: WorkerPool, tensors, loop: asyncio.AbstractEventLoop) -> PoolJob:
@@ -71,7 +64,7 @@ def test_a_worker_the_dispatcher_took_a_task_for_is_not_lent(pool):
             go.wait(30)
         return real_send(proc, task, reply)
 
-    first, second = _small(1), _small(2)
+    first, second = small_batch(1), small_batch(2)
     d.send = held_send
     try:
         job = submit(pool, *first)  # no loop: queued for the dispatcher thread
@@ -146,7 +139,7 @@ def test_an_answer_to_another_task_fails_the_task_and_replaces_the_worker(pool, 
     _idle(pool)
     d = pool._dispatchers[0]
     before = pool.workers()[0]
-    tensors = _small(3)
+    tensors = small_batch(3)
     _answering_for_another_task(d)
 
     if path == "dispatcher":
@@ -175,7 +168,7 @@ def test_loops_and_the_dispatcher_at_once_get_only_their_own_answers(pool):
     answer is its own call's, no worker restarts, nothing waits past its time."""
     _idle(pool)
     before = pool.workers()[0]
-    cases = [_small(10 + i, tokens=1 + 7 * i) for i in range(6)]
+    cases = [small_batch(10 + i, tokens=1 + 7 * i) for i in range(6)]
     expected = [zen_mla.ragged_attention(*c) for c in cases]
     stop_at = time.monotonic() + 6
 

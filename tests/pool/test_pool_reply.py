@@ -10,8 +10,8 @@ import os
 import socket
 
 import pytest
-import torch
 
+from tests.pool.jobs import small_batch
 from tests.reference import assert_close_to_reference
 from zen_mla.attention import select_kernel, validate
 from zen_mla.pool import PoolConfig, PoolJob, Reply, WorkerPool
@@ -25,13 +25,6 @@ FRAME = b"\x00\x00\x00\x0b" + b'{"ok":true}'
 def pool():
     with WorkerPool(PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)) as p:
         yield p
-
-
-def _tensors(seed: int = 0, tokens: int = 9):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(tokens, 16, 192, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(tokens, 16, 128, generator=g, dtype=torch.bfloat16)
-    return q, k, v, torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
 
 
 def _submit(pool: WorkerPool, tensors, reply: Reply, loop=None) -> PoolJob:
@@ -51,7 +44,7 @@ def _run(pool: WorkerPool, tensors, reply: Reply):
 def test_the_worker_writes_the_reply_before_the_job_is_done(pool):
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        tensors = _tensors()
+        tensors = small_batch()
         result = _run(pool, tensors, Reply(ours.fileno(), FRAME))
         assert result.replied
         # written before the worker's Done reached the loop: already waiting, whole
@@ -66,7 +59,7 @@ def test_the_worker_writes_the_reply_before_the_job_is_done(pool):
 def test_a_job_not_run_from_the_loop_is_answered_by_the_caller(pool):
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        job = _submit(pool, _tensors(), Reply(ours.fileno(), FRAME))  # no loop: queued
+        job = _submit(pool, small_batch(), Reply(ours.fileno(), FRAME))  # no loop: queued
         result = job.result(30)
         assert not result.replied
         theirs.setblocking(False)
@@ -78,7 +71,7 @@ def test_a_job_not_run_from_the_loop_is_answered_by_the_caller(pool):
 def test_a_failing_task_writes_no_reply(pool):
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        q, k, v, cu = _tensors()
+        q, k, v, cu = small_batch()
         batch = validate(q, k, v, cu, None, causal=True, scale=None)
 
         async def go():
@@ -103,7 +96,7 @@ def test_a_failing_task_writes_no_reply(pool):
 def _run_ok(pool: WorkerPool) -> bool:
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        result = _run(pool, _tensors(3), Reply(ours.fileno(), FRAME))
+        result = _run(pool, small_batch(3), Reply(ours.fileno(), FRAME))
         result.release()
         return result.replied and theirs.recv(1 << 16) == FRAME
 
@@ -113,7 +106,7 @@ def test_a_reader_gone_costs_neither_the_job_nor_the_worker(pool):
     ours, theirs = socket.socketpair()
     theirs.close()
     with ours:
-        result = _run(pool, _tensors(), Reply(ours.fileno(), FRAME))
+        result = _run(pool, small_batch(), Reply(ours.fileno(), FRAME))
         assert result.replied  # the job is done; nobody was there to read
         result.release()
     assert _run_ok(pool)
@@ -131,7 +124,7 @@ def test_a_socket_that_cannot_take_the_whole_frame_is_shut_down_never_half_writt
             except BlockingIOError:
                 break
         big = b"\x00\x01\x00\x00" + b"z" * 65536
-        result = _run(pool, _tensors(), Reply(ours.fileno(), big))
+        result = _run(pool, small_batch(), Reply(ours.fileno(), big))
         assert result.replied
         result.release()
         theirs.setblocking(True)
@@ -149,7 +142,7 @@ def test_a_socket_that_cannot_take_the_whole_frame_is_shut_down_never_half_writt
 def test_a_descriptor_that_is_not_a_socket_is_closed_and_costs_nothing(pool):
     r, w = os.pipe()
     try:
-        result = _run(pool, _tensors(), Reply(r, FRAME))
+        result = _run(pool, small_batch(), Reply(r, FRAME))
         assert result.replied
         result.release()
     finally:

@@ -41,14 +41,13 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import httpx
-import ml_dtypes
-import numpy as np
 import torch
 
 import zen_mla
 from tests.batches import BatchSpec, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.servers import Server
+from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.errors import BY_STATUS, DeadlineExceededError, QueueFullError, ZenMLAError
 from zen_mla.regions.client import RegionClient, RegionSet
@@ -404,18 +403,6 @@ def regions_http_caller(
         regions.close()
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy().astype(ml_dtypes.bfloat16)
-    return t.numpy().copy()
-
-
-def _torch(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.astype(np.float32)).bfloat16()
-    return torch.from_numpy(np.array(a))
-
-
 def v2_caller(server: Server, cases: list[Case], start: int, plan: Plan, tally: Tally) -> None:
     """`/v2/models/mla_prefill/infer`, binary tensor data, by tritonclient (one per thread)."""
     from tritonclient.http import InferenceServerClient, InferenceServerException, InferInput
@@ -426,7 +413,7 @@ def v2_caller(server: Server, cases: list[Case], start: int, plan: Plan, tally: 
     def one(client: InferenceServerClient, case: Case) -> tuple[torch.Tensor, ...]:
         inputs = []
         for n, t in case.tensors.items():
-            a = _np(t)
+            a = to_numpy(t)
             i = InferInput(n, list(a.shape), np_to_triton_dtype(a.dtype))
             i.set_data_from_numpy(a, binary_data=True)
             inputs.append(i)
@@ -446,8 +433,8 @@ def v2_caller(server: Server, cases: list[Case], start: int, plan: Plan, tally: 
                     raised.retry_after = 1.0
                 raise raised from exc
             out, lse = result.as_numpy("out"), result.as_numpy("lse")
-            got = (_torch(out),)
-            return got + ((_torch(lse),) if lse is not None else ())
+            got = (to_torch(out),)
+            return got + ((to_torch(lse),) if lse is not None else ())
 
         return _retried(infer, time.monotonic() + plan.timeout)
 

@@ -37,6 +37,7 @@ from tritonclient.utils import shared_memory as shm
 from tests.batches import BATCH_SPECS, EMPTY_SPECS, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.servers import Server, serve, server_fixture, wait_ready
+from tests.service.v2_tensors import to_numpy, to_torch
 
 pytestmark = pytest.mark.slow
 
@@ -91,18 +92,6 @@ def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 # tensors: torch <-> numpy (BF16 as ml_dtypes.bfloat16) and requests
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy().astype(ml_dtypes.bfloat16)
-    return t.numpy().copy()
-
-
-def _torch(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.astype(np.float32)).bfloat16()
-    return torch.from_numpy(np.array(a))  # a writable copy (binary outputs are read-only)
-
-
 def _input(name: str, a: np.ndarray, binary: bool = True) -> InferInput:
     i = InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
     i.set_data_from_numpy(a, binary_data=binary)
@@ -113,7 +102,7 @@ def _arrays(q, k, v, q_cu, kv_cu=None) -> list[tuple[str, np.ndarray]]:
     named = [("q", q), ("k", k), ("v", v), ("q_cu_seq_lens", q_cu)]
     if kv_cu is not None:
         named.append(("kv_cu_seq_lens", kv_cu))
-    return [(n, _np(t)) for n, t in named]
+    return [(n, to_numpy(t)) for n, t in named]
 
 
 def _infer(
@@ -127,7 +116,7 @@ def _infer(
 def _outputs(result: InferResult) -> tuple[torch.Tensor, torch.Tensor | None]:
     out = result.as_numpy("out")
     lse = result.as_numpy("lse")
-    return _torch(out), None if lse is None else _torch(lse)
+    return to_torch(out), None if lse is None else to_torch(lse)
 
 
 def _good_batch(dtype=torch.bfloat16):
@@ -237,7 +226,7 @@ def test_binary_infer_matches_the_reference(client, spec, dtype, causal, return_
     names = [o["name"] for o in answer["outputs"]]
     assert names == (["out", "lse"] if return_lse else ["out"])
     tq, h, dv = q.shape[0], q.shape[1], v.shape[2]
-    want = {"out": (np_to_triton_dtype(_np(v).dtype), [tq, h, dv]), "lse": ("FP32", [h, tq])}
+    want = {"out": (np_to_triton_dtype(to_numpy(v).dtype), [tq, h, dv]), "lse": ("FP32", [h, tq])}
     for o in answer["outputs"]:
         assert (o["datatype"], o["shape"]) == want[o["name"]], o
         assert "data" not in o and o["parameters"]["binary_data_size"] >= 0
@@ -287,10 +276,10 @@ def test_named_outputs_binary_or_json(client, json_inputs, mode):
     ref_lse = result.as_numpy("lse")
     if ref_out is None:  # only lse asked: check it against a full answer
         full = _infer(client, _arrays(q, k, v, q_cu), parameters={"return_lse": True})
-        out = _torch(full.as_numpy("out"))
+        out = to_torch(full.as_numpy("out"))
     else:
-        out = _torch(ref_out)
-    lse = None if ref_lse is None else _torch(ref_lse)
+        out = to_torch(ref_out)
+    lse = None if ref_lse is None else to_torch(ref_lse)
     assert_close_to_reference(q, k, v, q_cu, None, True, out, lse)
 
 
@@ -506,8 +495,8 @@ def test_shared_memory_round_trip(shm_client, regions, mode):
     if places:
         out_h, out_at = places["out"]
         lse_h, lse_at = places["lse"]
-        out = _torch(_read(out_h, ml_dtypes.bfloat16, [tq, h, dv], out_at))
-        lse = _torch(_read(lse_h, np.float32, [h, tq], lse_at))
+        out = to_torch(_read(out_h, ml_dtypes.bfloat16, [tq, h, dv], out_at))
+        lse = to_torch(_read(lse_h, np.float32, [h, tq], lse_at))
     else:
         out, lse = _outputs(result)
     assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse)
@@ -688,7 +677,7 @@ def test_a_shrunk_region_is_refused_and_the_service_stays_up(
         result = shm_client.infer(MODEL, inputs, outputs=outputs)
         if which == "inputs":
             return _outputs(result)[0]
-        return _torch(_read(handle, ml_dtypes.bfloat16, [q.shape[0], MLA[0], MLA[2]], 4096))
+        return to_torch(_read(handle, ml_dtypes.bfloat16, [q.shape[0], MLA[0], MLA[2]], 4096))
 
     assert_close_to_reference(q, k, v, q_cu, kv_cu, True, run())
     fd = os.open(f"/dev/shm/{_keyless(key)}", os.O_RDWR)
