@@ -263,7 +263,7 @@ class Dispatcher(TaskTraffic):
         try:
             work(*args)
         except BaseException as exc:
-            if not self._closed.is_set():
+            if self.owner == THREAD and not self._closed.is_set():  # (a borrower's, else)
                 with contextlib.suppress(Exception):
                     self._replace(f"was in use when its dispatcher failed ({exc!r})")
             raise
