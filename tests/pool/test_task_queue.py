@@ -41,11 +41,11 @@ def test_one_clients_tasks_keep_their_order_and_the_cost_follows():
     q = TaskQueue()
     for n in range(5):
         q.put(_task("only", n, cost=10))
-    assert q.load == 50 and q.tasks == 5
+    assert q.load == 50 and q.qsize() == 5
     q.get_nowait()
     assert q.load == 40
     assert [t.id for t in q.take_all()] == [1, 2, 3, 4]
-    assert q.load == 0 and q.tasks == 0
+    assert q.load == 0 and q.qsize() == 0
 
 
 def test_wakeups_come_first_and_a_stop_after_the_tasks():

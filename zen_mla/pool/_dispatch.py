@@ -143,10 +143,6 @@ class Dispatcher(TaskTraffic):
                 proc.kill()  # seen dying, then replaced; no one takes it for ready meanwhile
                 self.state = "starting"
 
-    @property
-    def lent(self) -> bool:
-        return self.owner == LOAN
-
     def lend(self, task: Task) -> WorkerProcess | None:
         """The process, busy with `task` from now on, for a borrower that sends the task and
         reads the answer itself (`send()`, `answer()`); None unless nobody holds the worker and

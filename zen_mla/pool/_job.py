@@ -237,12 +237,6 @@ class TaskQueue(queue.Queue[Task | str | None]):
         with self.mutex:
             return self.cost
 
-    @property
-    def tasks(self) -> int:
-        """Tasks queued (wake-ups and stops aside)."""
-        with self.mutex:
-            return self._count
-
     def take_all(self) -> list[Task]:
         """Take the tasks queued, in turn order, leaving wake-ups and stop requests in place."""
         with self.mutex:

@@ -86,11 +86,6 @@ class SharedBuffer:
         caller has checked that it cannot shrink below `nbytes`."""
         return cls(nbytes, on_free, _fd=fd)
 
-    @property
-    def released(self) -> bool:
-        """An adopted buffer whose region ended (`release()`)."""
-        return self._end.released
-
     def release(self) -> None:
         """An adopted buffer's region ended. Once the object is freed, which is at once where
         no request in flight or task still queued holds it, the client's pages are unmapped
