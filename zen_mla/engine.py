@@ -27,7 +27,7 @@ import torch
 from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.select import KernelChoice, host_status, select_kernel
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
-from .pool import Outputs, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
+from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
 
 __all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]
@@ -258,7 +258,7 @@ class PrefillEngine:
         request: PrefillRequest,
         *,
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
-        outputs: Outputs | None = None,
+        outputs: OutputPlaces | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
         client: Hashable = None,

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from zen_mla import InvalidInputError
 from zen_mla.engine import PrefillRequest, PrefillResult
-from zen_mla.pool import Outputs
+from zen_mla.pool import OutputPlaces
 from zen_mla.regions.registry import Span, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
@@ -83,7 +83,7 @@ def output_places(
 def direct_outputs(
     req: kr.InferRequest,
     places: dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None],
-) -> Outputs | None:
+) -> OutputPlaces | None:
     """Where the workers write when every output computed goes to one region (no copy): that
     region's buffer and the views; else None (the pool's buffer, then pwrite)."""
     computed = ("out", "lse") if req.return_lse else ("out",)

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from zen_mla import InvalidInputError
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillEngine, PrefillRequest
-from zen_mla.pool import Outputs, SharedBuffer
+from zen_mla.pool import OutputPlaces, SharedBuffer
 from zen_mla.regions.registry import RegionRegistry
 from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
 from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
@@ -32,7 +32,7 @@ class RegionWork:
 
     prepared: PrefillRequest
     inputs: list[SharedBuffer]
-    outputs: Outputs
+    outputs: OutputPlaces
     places: dict[str, regions_json.TensorPlace]
     options: PrefillOptions
 

@@ -14,7 +14,7 @@ import zen_mla
 from service.routes.calls import refusal, socket_calls
 from service.settings import Settings
 from service.state import ServiceState
-from zen_mla.client._answers import Outputs, called
+from zen_mla.client._answers import AnswerSpec, called
 from zen_mla.regions.client import Layout
 from zen_mla.regions.protocol import MAX_MESSAGE, FrameReader, encode_frame
 from zen_mla.wire import regions_json as rr
@@ -30,7 +30,7 @@ ERRORS = {
 }
 
 
-def _layout(tokens: int = 3, lse: bool = True) -> tuple[Layout, Outputs]:
+def _layout(tokens: int = 3, lse: bool = True) -> tuple[Layout, AnswerSpec]:
     q = torch.zeros(tokens, 2, 8)
     v = torch.zeros(tokens, 2, 4)
     out, lse_t = torch.arange(tokens * 8.0).view(tokens, 2, 4), torch.ones(2, tokens)
@@ -41,7 +41,7 @@ def _layout(tokens: int = 3, lse: bool = True) -> tuple[Layout, Outputs]:
     if not lse:
         del places["lse"]
     layout = Layout(places, out, lse_t if lse else None)
-    return layout, Outputs.of({"q": q, "v": v}, lse)
+    return layout, AnswerSpec.of({"q": q, "v": v}, lse)
 
 
 def _through_the_wire(reply: dict) -> dict:

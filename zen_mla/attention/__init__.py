@@ -27,6 +27,7 @@ from .select import (
 __all__ = [
     "HostStatus",
     "KernelChoice",
+    "PrefillOutput",
     "RaggedBatch",
     "host_status",
     "kernel_choice",
@@ -35,6 +36,9 @@ __all__ = [
     "validate",
     "zentorch_status",
 ]
+
+#: what `ragged_attention` (and every client of the service) returns: out, or (out, lse)
+PrefillOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @overload
@@ -74,7 +78,7 @@ def ragged_attention(
     return_lse: bool = False,
     scale: float | None = None,
     kernel: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> PrefillOutput:
     """Attention over a ragged ("varlen") batch of `B` requests, as flash-attn's varlen API.
 
     Args:

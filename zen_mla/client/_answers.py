@@ -13,6 +13,7 @@ import httpx
 import torch
 
 from .. import errors, wire
+from ..attention import PrefillOutput
 from ..attention.batch import check_out
 from ..copying import copied, copy_into
 from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolError, ZenMLAError
@@ -22,10 +23,10 @@ from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._memory import MIN_BYTES, AnswerMemory
 
 __all__ = [
+    "AnswerSpec",
     "Body",
     "Bytes",
-    "Outputs",
-    "PrefillResult",
+    "PrefillOutput",
     "answered",
     "called",
     "decoded",
@@ -35,7 +36,6 @@ __all__ = [
 
 MAX_PROBLEM_BYTES = 64 << 10  # of an error's body; the rest is not read
 
-PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # an answer's bytes: a bytearray, or a view of an AnswerMemory buffer
 Bytes = bytearray | memoryview
 
@@ -181,7 +181,7 @@ def _raised(status: int, found: Mapping[str, Any], retry_after: object) -> ZenML
 
 
 @dataclass(frozen=True, slots=True)
-class Outputs:
+class AnswerSpec:
     """What the answer to a request must hold, by name: (shape, dtype as safetensors names it).
     `out` [Tq, H, Dv] in v's dtype; `lse` [H, Tq] float32, only when asked. `into`: the
     caller's tensor that `out` is written to (`prefill(out=)`), else None."""
@@ -192,7 +192,7 @@ class Outputs:
     @classmethod
     def of(
         cls, tensors: Mapping[str, torch.Tensor], return_lse: bool, out: torch.Tensor | None = None
-    ) -> Outputs:
+    ) -> AnswerSpec:
         """InvalidInputError naming `out` when one is given that cannot hold the result."""
         q, v = tensors["q"], tensors["v"]
         tq, heads = int(q.shape[0]), int(q.shape[1])
@@ -236,9 +236,9 @@ def decoded(
     status: int,
     body: Bytes,
     headers: httpx.Headers,
-    outputs: Outputs,
+    outputs: AnswerSpec,
     device: torch.device,
-) -> PrefillResult:
+) -> PrefillOutput:
     """The results in a /prefill answer, checked against the request, on the caller's device."""
     if status != 200:
         raise problem(status, body, headers)
@@ -263,10 +263,10 @@ def answered(
     body: Bytes,
     headers: httpx.Headers,
     layout: Layout,
-    outputs: Outputs,
+    outputs: AnswerSpec,
     device: torch.device,
     memory: AnswerMemory | None = None,
-) -> PrefillResult:
+) -> PrefillOutput:
     """The results a region request's answer points at, checked against the request and copied
     out of the scratch region (which the next request reuses), on the caller's device (in
     `memory` where large and on the CPU)."""
@@ -311,10 +311,10 @@ def health_json(status: int, body: Bytes) -> dict[str, Any]:
 def called(
     reply: Mapping[str, Any],
     layout: Layout,
-    outputs: Outputs,
+    outputs: AnswerSpec,
     device: torch.device,
     memory: AnswerMemory | None = None,
-) -> PrefillResult:
+) -> PrefillOutput:
     """The results a region-socket call's reply points at, as `answered` reads an HTTP answer:
     `{"ok": true, "body": <the regions JSON answer>}`, or an error reply raised as its class."""
     if reply.get("ok") is not True:

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
-from ._answers import Body, Bytes, PrefillResult, health_json
+from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
 from ._resend import Resend
@@ -37,7 +37,7 @@ async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
         yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
 
 
-def _over_socket(call: Call, regions: RegionSet) -> PrefillResult | None:
+def _over_socket(call: Call, regions: RegionSet) -> PrefillOutput | None:
     with regions.request(call.tensors, call.outputs.return_lse, call.outputs.into) as layout:
         return call.over_socket(regions, layout)
 
@@ -105,7 +105,7 @@ class AsyncPrefillClient(BaseClient):
         kernel: str = "auto",
         request_id: str | None = None,
         out: torch.Tensor | None = None,
-    ) -> PrefillResult:
+    ) -> PrefillOutput:
         """As `PrefillClient.prefill`."""
         call = self._call(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
@@ -118,7 +118,7 @@ class AsyncPrefillClient(BaseClient):
                     return await self._attempt(i, call)
                 await asyncio.sleep(call.wait)
 
-    async def _attempt(self, i: int, call: Call) -> PrefillResult:
+    async def _attempt(self, i: int, call: Call) -> PrefillOutput:
         regions = await self._regions_for(i, call.deadline)
         if regions is None:
             status, headers, body = await self._send(i, call.post(), call.deadline)

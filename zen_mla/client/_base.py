@@ -28,7 +28,7 @@ from ..errors import (
 from ..regions.client import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
-from ._answers import Bytes, Outputs, PrefillResult, answered, called, decoded
+from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import Deadline, call_budget
 from ._memory import AnswerMemory
 from ._offers import Offer, offered
@@ -219,7 +219,7 @@ class Call:
         self,
         tensors: dict[str, torch.Tensor],
         options: dict[str, str],
-        outputs: Outputs,
+        outputs: AnswerSpec,
         work: int,
         client: BaseClient,
     ) -> None:
@@ -278,7 +278,7 @@ class Call:
         content = regions_json.encode(layout.places, self.options)
         return Exchange("POST", "/prefill", wire.MAX_HEADER_BYTES, content, headers)
 
-    def over_socket(self, regions: RegionSet, layout: Layout) -> PrefillResult | None:
+    def over_socket(self, regions: RegionSet, layout: Layout) -> PrefillOutput | None:
         """The call on the region socket, with no HTTP on its way, where the service takes
         calls there; None where it does not, or while the socket is busy with another call
         (the caller posts `region_post(layout)` instead). Blocking, bounded by the deadline."""
@@ -294,13 +294,13 @@ class Call:
             return None
         return called(reply, layout, self.outputs, self.device, self._client._answer_memory)
 
-    def decoded(self, status: int, body: Bytes, headers: httpx.Headers) -> PrefillResult:
+    def decoded(self, status: int, body: Bytes, headers: httpx.Headers) -> PrefillOutput:
         """The results in the answer to `post()`."""
         return decoded(status, body, headers, self.outputs, self.device)
 
     def answered(
         self, status: int, body: Bytes, headers: httpx.Headers, layout: Layout
-    ) -> PrefillResult:
+    ) -> PrefillOutput:
         """The results in the answer to `region_post(layout)`, copied out of the region."""
         memory = self._client._answer_memory
         return answered(status, body, headers, layout, self.outputs, self.device, memory)
@@ -355,7 +355,7 @@ class BaseClient:
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
         tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
-        outputs = Outputs.of(tensors, return_lse, out)
+        outputs = AnswerSpec.of(tensors, return_lse, out)
         work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
         return Call(tensors, options, outputs, work, self)
 

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
-from ._answers import Body, Bytes, PrefillResult, health_json
+from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
 from ._resend import Resend
@@ -96,7 +96,7 @@ class PrefillClient(BaseClient):
         kernel: str = "auto",
         request_id: str | None = None,
         out: torch.Tensor | None = None,
-    ) -> PrefillResult:
+    ) -> PrefillOutput:
         """As `zen_mla.ragged_attention`, computed by the service. `out`: a `[Tq, H, Dv]`
         tensor in v's dtype (on any device, any strides) that the result is written to and
         returned as, with no tensor of the client's in between (checked before anything is
@@ -114,7 +114,7 @@ class PrefillClient(BaseClient):
                     return self._attempt(i, call)
                 time.sleep(call.wait)
 
-    def _attempt(self, i: int, call: Call) -> PrefillResult:
+    def _attempt(self, i: int, call: Call) -> PrefillOutput:
         regions = self._regions_for(i, call.deadline)
         if regions is None:
             status, headers, body = self._send(i, call.post(), call.deadline)

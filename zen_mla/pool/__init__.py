@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._config import PoolConfig
-    from ._job import Outputs, PoolJob, PoolResult, Reply
+    from ._job import OutputPlaces, PoolJob, PoolResult, Reply
     from ._shm import SharedBuffer
     from ._supervisor import WorkerPool
 
 __all__ = [
-    "Outputs",
+    "OutputPlaces",
     "PoolConfig",
     "PoolJob",
     "PoolResult",
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Outputs": "._job",
+    "OutputPlaces": "._job",
     "PoolConfig": "._config",
     "PoolJob": "._job",
     "PoolResult": "._job",

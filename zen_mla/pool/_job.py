@@ -20,7 +20,7 @@ import torch
 from ._messages import TaskSpec
 from ._shm import BufferCache, SharedBuffer
 
-__all__ = ["Outputs", "PoolJob", "PoolResult", "Reply", "Task", "TaskQueue"]
+__all__ = ["OutputPlaces", "PoolJob", "PoolResult", "Reply", "Task", "TaskQueue"]
 
 T = TypeVar("T")
 
@@ -29,8 +29,8 @@ class PoolResult:
     """out `[Tq, H, Dv]` and lse `[H, Tq]` (or None) as views of shared memory.
 
     `release()` hands the memory back for reuse; the tensors must not be used after it. Without
-    it the memory is simply freed once the tensors are. Outputs written where the caller said
-    (`Outputs`) stay the caller's: `cache` is None and `release()` does nothing. `replied`: the
+    it the memory is simply freed once the tensors are. OutputPlaces written where the caller said
+    (`OutputPlaces`) stay the caller's: `cache` is None and `release()` does nothing. `replied`: the
     worker wrote the job's `Reply`.
     """
 
@@ -55,7 +55,7 @@ class PoolResult:
 
 #: where a job's results are to be written: a buffer, and out `[Tq, H, Dv]` and lse `[H, Tq]`
 #: fp32 (or None) as views of it
-Outputs = tuple[SharedBuffer, torch.Tensor, torch.Tensor | None]
+OutputPlaces = tuple[SharedBuffer, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._direct import DirectRun
 from ._dispatch import Dispatcher
-from ._job import Outputs, PoolJob, PoolResult, Reply, Task
+from ._job import OutputPlaces, PoolJob, PoolResult, Reply, Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
@@ -185,7 +185,7 @@ class WorkerPool:
         *,
         return_lse: bool,
         inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
-        outputs: Outputs | None = None,
+        outputs: OutputPlaces | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
         client: Hashable = None,

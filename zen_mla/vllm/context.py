@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from ..attention import PrefillOutput
 from ..attention.batch import check_out
 from ..attention.merge import merge_many
 from ..errors import KernelError
@@ -22,7 +23,7 @@ from .settings import DEFAULT_CONCURRENCY
 __all__ = [
     "CheckedPrefiller",
     "ContextKV",
-    "PrefillResult",
+    "PrefillOutput",
     "Prefiller",
     "RaggedTensors",
     "call",
@@ -34,7 +35,6 @@ __all__ = [
     "prefill_with_context",
 ]
 
-PrefillResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 #: q, k, v, q_cu_seq_lens, kv_cu_seq_lens (None: q's)
 RaggedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -55,7 +55,7 @@ class Prefiller(Protocol):
         return_lse: bool = False,
         scale: float | None = None,
         out: torch.Tensor | None = None,
-    ) -> PrefillResult: ...
+    ) -> PrefillOutput: ...
 
 
 class CheckedPrefiller:

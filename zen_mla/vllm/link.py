@@ -31,7 +31,7 @@ from ..client import PrefillClient
 from ..copying import copy_into
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..wire import PrefillOptions
-from .context import CheckedPrefiller, PrefillResult, RaggedTensors, call
+from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, call
 from .settings import RemoteSettings, healthy
 
 __all__ = ["ServiceLink", "Stats", "StatsSnapshot", "stats"]
@@ -74,7 +74,7 @@ class Stats:
 stats = Stats()
 
 
-def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillResult:
+def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillOutput:
     """The call computed in this process, as the service computes it (on the CPU: tensors on
     another device come back there)."""
     from .. import ragged_attention  # torch's kernels load on first use
@@ -135,7 +135,7 @@ class ServiceLink(CheckedPrefiller):
         with self._lock:
             return self._down_since is None
 
-    def prefill(self, *args: Any, out: torch.Tensor | None = None, **options: Any) -> PrefillResult:
+    def prefill(self, *args: Any, out: torch.Tensor | None = None, **options: Any) -> PrefillOutput:
         """As `PrefillClient.prefill` (its arguments: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens],
         causal, return_lse, scale, and `out` to write into): by the service while it answers,
         else (with the fallback) here. The service's answer is checked (`check_result`,
