@@ -27,11 +27,12 @@ starts, and once it restarted: `_offers`). A request's tensors are then copied o
 region the client holds (or not at all, for tensors made with `empty()`), and the workers read
 them and write the results there.
 
-The modules behind it: `_base` (all the twins share: the request, the deadline, endpoints,
-retries), `_resend` (when an exchange is sent again), `_answers` (answers read and checked,
-problems as exceptions), `_offers` (each endpoint's same-host regions, and when to ask again),
-`_sync` and `_async` (their I/O), `_transport` (the blocking client's sockets, bounded by the
-call's deadline).
+The modules behind it: `_base` (all the twins share: the request, endpoints, retries),
+`_deadline` (one call's deadline), `_resend` (when an exchange is sent again), `_answers`
+(answers read and checked, problems as exceptions), `_memory` (large answers' memory, reused
+across calls), `_offers` (each endpoint's same-host regions, and when to ask again), `_sync` and
+`_async` (their I/O), `_transport` (the blocking client's sockets, bounded by the call's
+deadline).
 """
 
 from ._async import AsyncPrefillClient

@@ -269,7 +269,8 @@ def answered(
 ) -> PrefillOutput:
     """The results a region request's answer points at, checked against the request and copied
     out of the scratch region (which the next request reuses), on the caller's device (in
-    `memory` where large and on the CPU)."""
+    `memory` where large and on the CPU); an `out` of the caller's that the service wrote where
+    it lies is returned as it is."""
     if status != 200:
         raise problem(status, body, headers)
     try:

@@ -1,6 +1,6 @@
 """What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the request built and
-checked, one call's deadline, the choice of endpoint, what a failed attempt leads to, and the
-translation of transport errors (when an exchange is sent again: `_resend`)."""
+checked, one call's deadline (`_deadline`), the choice of endpoint, what a failed attempt leads
+to, and the translation of transport errors (when an exchange is sent again: `_resend`)."""
 
 from __future__ import annotations
 
@@ -95,13 +95,14 @@ def _tensors(
 
 
 def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causal: bool) -> int:
-    """The request's weight for balancing: heads x visible (query, key) pairs."""
+    """The request's weight for balancing: heads x visible (query, key) pairs (q as `_tensors`
+    checked it: 3-D)."""
     qc = q_cu.tolist()
     kc = kv_cu.tolist() if kv_cu is not None else qc
     pairs = sum(
         visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
     )
-    return int(q.shape[1]) * pairs if q.ndim == 3 else pairs
+    return int(q.shape[1]) * pairs
 
 
 def _authorized(headers: dict[str, str], token: str | None) -> dict[str, str]:
@@ -252,8 +253,9 @@ class Call:
             self._attempts += 1
 
     def post(self) -> Exchange:
-        """The request as a safetensors body, in parts (encoded once, whichever attempt sends
-        it); the tensors go over as CPU tensors."""
+        """The request as a safetensors body, in parts of at most `SEND_PART` bytes, or whole
+        where it is no larger (encoded once, whichever attempt sends it); the tensors go over as
+        CPU tensors."""
         if self._post is None:
             header, chunks = wire.encode(
                 {n: t.detach().cpu() for n, t in self.tensors.items()}, self.options
@@ -325,8 +327,9 @@ class BaseClient:
         self._token, self._retries = token, retries
         self._budget = call_budget(timeout)
         self._shared_memory = shared_memory
-        # per endpoint: its regions, None where there are none, missing until first asked
-        self._regions: dict[int, Offer] = {}  # per endpoint, asked again once not current
+        # per endpoint: its Offer (`regions` None where none are used), missing until first
+        # asked, asked again once not `current()`
+        self._regions: dict[int, Offer] = {}
         self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
 
     def _auth(self, headers: dict[str, str]) -> dict[str, str]:

@@ -42,10 +42,11 @@ class Offer:
 
 
 def offered(status: int, body: Bytes, token: str | None, timeout: float, required: bool) -> Offer:
-    """The same-host regions of the service whose /health answer this is (None where they
-    cannot be had; SharedMemoryUnavailableError instead when `required`). The region socket
-    must answer with the instance /health names: a path that exists here may belong to another
-    service than the one at this URL. Blocking: it connects to the region socket."""
+    """The same-host regions of the service whose /health answer this is, as an `Offer` (its
+    `regions` None, standing a while, where they cannot be had; SharedMemoryUnavailableError
+    instead when `required`). The region socket must answer with the instance /health names: a
+    path that exists here may belong to another service than the one at this URL. Blocking: it
+    connects to the region socket."""
     ready = False
     try:
         try:

@@ -204,19 +204,6 @@ class RemotePrefillBackend:
         """New tokens and all context chunks of the step at once (not vLLM's: an orchestrator
         that has gathered the whole context calls this instead of `run_prefill_new_tokens` and
         one `run_prefill_context_chunk` per chunk). See `prefill_with_context`."""
-        if return_softmax_lse:
-            return prefill_with_context(
-                self.link,
-                q,
-                k,
-                v,
-                self._query_start_loc(),
-                context,
-                scale=self.scale,
-                return_lse=True,
-                out=out,
-                executor=pool(self.settings.max_concurrency),
-            )
         return prefill_with_context(
             self.link,
             q,
@@ -225,6 +212,7 @@ class RemotePrefillBackend:
             self._query_start_loc(),
             context,
             scale=self.scale,
+            return_lse=return_softmax_lse,
             out=out,
             executor=pool(self.settings.max_concurrency),
         )

@@ -93,7 +93,7 @@ def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillOutput:
 
 class ServiceLink(CheckedPrefiller):
     """One settings' client and state. A `PrefillClient` is safe to call from several threads;
-    `_lock` guards `_client`, `_down_since`, `_wait` and `_prober`."""
+    `_lock` guards `_client`, `_down_since`, `_local_calls`, `_wait` and `_prober`."""
 
     _links_lock = threading.Lock()
     _links: ClassVar[dict[RemoteSettings, ServiceLink]] = {}

@@ -148,8 +148,7 @@ def healthy(settings: RemoteSettings) -> bool:
         except Exception as exc:  # unreachable, refused, not JSON: all mean "not available"
             logger.debug("zen-mla at %s is not available: %s", url, exc)
             continue
-        status = health.get("status") if isinstance(health, dict) else None
-        if status == "ok":
+        if health.get("status") == "ok":
             return True
         logger.debug("zen-mla at %s is not ready: /health said %.200r", url, health)
     return False

@@ -49,7 +49,7 @@ _MAX_HANDLE = 64
 @dataclass(frozen=True, slots=True)
 class TensorPlace:
     """A contiguous tensor `offset` bytes into region `region`; `dtype` as safetensors names
-    it ("BF16", "F16", "F32", "I32", "I64")."""
+    it (any name `dtypes` has; a request's tensors are "BF16", "F16", "F32", "I32" or "I64")."""
 
     region: str
     offset: int

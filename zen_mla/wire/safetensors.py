@@ -132,8 +132,8 @@ def decode(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views of `body`, a uint8 tensor holding the whole file) and the metadata.
 
-    Raises WireFormatError (unreadable: HTTP 400) or InvalidInputError (readable, but names or
-    metadata the protocol does not have: HTTP 422).
+    Raises WireFormatError (unreadable: HTTP 400) or InvalidInputError (readable, but naming a
+    tensor outside `allowed`: HTTP 422). The metadata's keys are `parse_options`'s to check.
     """
     n = body.numel()
     prefix = bytes(body[:8].tolist()) if n >= 8 else b""
