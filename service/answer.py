@@ -1,21 +1,48 @@
-"""An answer's bytes from the shared memory the workers wrote: streamed from there without a
-copy, the memory going back to the pool once nothing refers to it, or one plain response when
-small."""
+"""What every form's answer shares: what it says about its work (`answer_metadata`), the timing
+header (`server_timing`), and its bytes from the shared memory the workers wrote (`stream`):
+streamed from there without a copy, the memory going back to the pool once nothing refers to
+it, or one plain response when small."""
 
 from __future__ import annotations
 
 import threading
 import weakref
 from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 from fastapi.responses import Response, StreamingResponse
 
+from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 
-__all__ = ["SEND_CHUNK", "SMALL_ANSWER", "stream"]
+from .form import RequestRecord
+
+__all__ = ["SEND_CHUNK", "SMALL_ANSWER", "answer_metadata", "server_timing", "stream"]
 
 SEND_CHUNK = 4 << 20  # bytes per write: lets the transport's flow control work
 SMALL_ANSWER = 64 << 10  # bytes: an answer this small is sent as one plain response
+R = TypeVar("R", bound=Response)
+
+
+def answer_metadata(kernels: KernelChoice, request_id: str | None = None) -> dict[str, str]:
+    """What every answer says about its work, whatever its form: `kernel` (what computed out),
+    `lse_kernel` (what computed lse, when asked) and the request's `request_id` (when it gave
+    one and the form carries it here: a /v2 answer has its own `id`)."""
+    meta = {"kernel": kernels.out}
+    if kernels.lse is not None:
+        meta["lse_kernel"] = kernels.lse
+    if request_id:
+        meta["request_id"] = request_id
+    return meta
+
+
+def server_timing(response: R, record: RequestRecord) -> R:
+    """The request's ingest, queue and compute times in a Server-Timing header."""
+    response.headers["Server-Timing"] = (
+        f"ingest;dur={record.ingest_s * 1e3:.3f}, queue;dur={record.queue_s * 1e3:.3f}, "
+        f"compute;dur={record.compute_s * 1e3:.3f}"
+    )
+    return response
 
 
 def stream(

@@ -13,13 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from zen_mla import ZenMLAError, zentorch_status
-from zen_mla.engine import EngineConfig, PrefillEngine
-from zen_mla.pool import PoolConfig
-from zen_mla.regions.registry import RegionRegistry
-from zen_mla.regions.server import RegionServer
+from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine
+from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
 from .kserve import routes as kserve
-from .kserve.system_shm import SystemShmRegistry
 from .problems import Problem, problem
 from .routes import health, prefill
 from .routes.calls import socket_calls

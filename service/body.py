@@ -19,12 +19,11 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 
 from zen_mla import DeadlineExceededError, RequestTimeoutError, WireFormatError
-from zen_mla.engine import PrefillEngine
-from zen_mla.pool import SharedBuffer
+from zen_mla.engine import PrefillEngine, SharedBuffer
 
 from .admission import Ticket
 
-__all__ = ["SMALL_BYTES", "give_back", "read_body"]
+__all__ = ["SMALL_BYTES", "Receive", "give_back", "read_body"]
 
 # Buffers up to this size are given back on the event loop; larger ones in a thread (unmapping
 # 1 GiB takes 0.3-0.5 s, without the GIL).

@@ -11,11 +11,9 @@ from typing import Any, Literal
 
 from zen_mla import ServiceUnavailableError
 from zen_mla.engine import PrefillEngine
-from zen_mla.regions.registry import RegionRegistry
-from zen_mla.regions.server import RegionServer
+from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
 from .admission import Admission
-from .kserve.system_shm import SystemShmRegistry
 from .metrics import Metrics
 from .settings import Settings
 
@@ -41,7 +39,7 @@ class ServiceState:
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
-    # work whose client hung up, running on to its end (`exchange._abandon`); owned by the
+    # work whose client hung up, running on to its end (`pipeline._abandon`); owned by the
     # event loop
     abandoned: set[asyncio.Future[None]] = field(default_factory=set)
 

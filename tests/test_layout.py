@@ -156,3 +156,58 @@ def test_what_one_module_imports_from_another_is_in_its_all():
                 continue
             missing += [f"{name}: {target}.{n}" for n in names if n not in public and n != "*"]
     assert not missing, "\n".join(missing)
+
+
+def test_the_service_talks_to_the_engine_not_the_pool():
+    """`service` gets what it needs of compute (buffers, output places, a worker's reply) from
+    `zen_mla.engine` and `zen_mla.regions`' public names, never from the pool behind them."""
+    reaching = [
+        f"{name} -> {target}"
+        for name in MODULES
+        if name.startswith("service")
+        for target, _ in imported(name)
+        if target.startswith(("zen_mla.pool", "zen_mla.regions."))
+    ]
+    assert not reaching, "\n".join(reaching)
+
+
+def test_the_service_state_knows_no_protocol():
+    targets = [target for target, _ in imported("service.state")]
+    assert not [t for t in targets if t.startswith("service.kserve")], targets
+
+
+# What a request's life is made of; each is used by the one pipeline only: the engine's
+# `prepare` and `run`, admission's `admit`, `admit_read` and `check_queue`, the body reader.
+ENGINE_USES = ("prepare", "run")
+ADMISSION_USES = ("admit", "admit_read", "check_queue")
+READER = "read_body"
+PIPELINE = "service.pipeline"
+
+
+def _life_uses(name: str) -> set[str]:
+    """What of a request's life module `name` uses: `engine.prepare` / `x.engine.run` (used,
+    called or passed), `x.admit(...)` and the like, `read_body`."""
+    used = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = ast.unparse(node.value)
+            if node.attr in ENGINE_USES and owner.split(".")[-1] == "engine":
+                used.add(f"engine.{node.attr}")
+            if node.attr in ADMISSION_USES:
+                used.add(node.attr)
+        elif isinstance(node, ast.Name) and node.id == READER:
+            used.add(READER)
+    return used
+
+
+def test_a_request_s_life_is_assembled_in_one_module_of_the_service():
+    """The engine's `prepare` and `run`, admission and the body reader are used by
+    `service.pipeline` alone: every form and door goes through it (issue 31)."""
+    others = {
+        name: sorted(_life_uses(name))
+        for name in MODULES
+        if name.startswith("service") and name not in (PIPELINE, "service.admission")
+    }
+    assert not {name: uses for name, uses in others.items() if uses}
+    everything = {*(f"engine.{u}" for u in ENGINE_USES), *ADMISSION_USES, READER}
+    assert _life_uses(PIPELINE) == everything

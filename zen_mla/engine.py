@@ -3,7 +3,10 @@
 It takes a request's tensors and options, validates them once, applies the work cap, picks the
 kernels, and runs the batch on the worker pool; the result comes back blocking or awaitable,
 and every failure is a `zen_mla` exception. Every request form of the HTTP service (a
-safetensors body, a regions JSON, a v2 infer) comes through `prepare` and `run`.
+safetensors body, a regions JSON over HTTP or the region socket, a v2 infer) comes through
+`prepare` and `run`. What a server needs of the pool besides (its shared buffers, the output
+places a job writes to, a worker's own reply) is named here too: `SharedBuffer`,
+`OutputPlaces`, `Reply`.
 
     with PrefillEngine(EngineConfig(max_work=1 << 40)) as engine:
         request = engine.prepare(
@@ -30,7 +33,17 @@ from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
 
-__all__ = ["EngineConfig", "PrefillEngine", "PrefillJob", "PrefillRequest", "PrefillResult"]
+__all__ = [
+    "EngineConfig",
+    "OutputPlaces",
+    "PoolConfig",
+    "PrefillEngine",
+    "PrefillJob",
+    "PrefillRequest",
+    "PrefillResult",
+    "Reply",
+    "SharedBuffer",
+]
 
 #: the tensors of a prefill request, by the contract's names
 REQUIRED_TENSORS = ("q", "k", "v", "q_cu_seq_lens")
@@ -190,7 +203,8 @@ class PrefillEngine:
         self.close()
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each worker's `id`, `cpus`, `threads`, `alive`, `pid` and `restarts`."""
+        """Each worker's `id`, `cpus`, `threads`, `state`, `alive`, `pid` and `restarts`
+        (`WorkerPool.workers` says what each means)."""
         return self._pool.workers()
 
     def ready(self) -> bool:

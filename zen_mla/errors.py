@@ -20,6 +20,7 @@
     │       └── PoolClosedError             the worker pool is shut down                 503
     ├── DeadlineExceededError (TimeoutError) past the request deadline, work abandoned   504
     ├── KernelError (RuntimeError)          a kernel or worker failed on valid input     500
+    ├── InternalError (RuntimeError)        a bug of the service, not of the request     500
     ├── SharedMemoryUnavailableError        client side: no same-host regions to be had     -
     └── ProtocolError                       client side: the answer broke the protocol      -
 
@@ -38,6 +39,7 @@ __all__ = [
     "DeadlineExceededError",
     "ForbiddenError",
     "HeadersTooLargeError",
+    "InternalError",
     "InvalidInputError",
     "KernelError",
     "KernelUnavailableError",
@@ -162,6 +164,11 @@ class KernelError(ZenMLAError, RuntimeError):
     """A kernel or worker failed on input that passed validation."""
 
 
+class InternalError(ZenMLAError, RuntimeError):
+    """A bug of the service: it failed on a request that may well be valid (the log holds the
+    traceback). Not the kernel's fault, and not the request's: sending it again may work."""
+
+
 class SharedMemoryUnavailableError(ZenMLAError):
     """A client asked for same-host regions (`shared_memory=True`) where the service offers
     none, or their socket cannot be reached from this host; the message says which."""
@@ -187,6 +194,7 @@ STATUS: dict[type[ZenMLAError], int] = {
     InvalidInputError: 422,
     QueueFullError: 429,
     KernelError: 500,
+    InternalError: 500,
     PoolClosedError: 503,
     ServiceUnavailableError: 503,
     DeadlineExceededError: 504,

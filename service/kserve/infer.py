@@ -1,7 +1,8 @@
 """`POST /v2/models/mla_prefill/infer`, and where its inputs lie.
 
-An infer request goes the way a `/prefill` does (`exchange`): the same gate, token, admission,
-body limits and rate, deadline, queue and metrics. Its body is read into the pool's shared
+An infer request (`InferForm`) goes through the one pipeline as a `/prefill` does
+(`pipeline.serve`): the same gate, token, admission, body limits and rate, deadline, queue and
+metrics. Its body is read into the pool's shared
 memory shifted so that the binary tensor data after the JSON starts cache-line aligned; q, k
 and v there are read in place by the workers. Inputs may also be JSON numbers or lie in system
 shared memory (`system_shm`); where the outputs go is `kserve.outputs`.
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
-import time
 
 import numpy as np
 import torch
@@ -23,32 +22,22 @@ from fastapi.responses import Response
 from zen_mla import (
     BodyTooLargeError,
     InvalidInputError,
-    KernelError,
     UnsupportedMediaTypeError,
     WireFormatError,
+    ZenMLAError,
 )
-from zen_mla.engine import PrefillEngine
-from zen_mla.pool import SharedBuffer
+from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
+from zen_mla.regions import SystemShmRegistry, off_error
 
+from ..answer import server_timing
 from ..body import SMALL_BYTES
-from ..exchange import (
-    Exchange,
-    admit,
-    byte_count,
-    compute,
-    content_length,
-    disconnected,
-    drop_body,
-    gate,
-    receive,
-    timed,
-)
-from ..state import ServiceState
+from ..doors import byte_count
+from ..form import Form, Intake, RequestRecord, Work
 from . import request as kr
-from .outputs import direct_outputs, output_places, respond
-from .system_shm import SystemShmRegistry, off_error
+from .errors import error_response
+from .outputs import Places, direct_outputs, output_places, respond
 
-__all__ = ["ALIGN", "serve_infer"]
+__all__ = ["ALIGN", "InferForm"]
 
 ALIGN = 64  # the binary tensor data starts on a cache line
 HEADER_LENGTH = "inference-header-content-length"
@@ -67,57 +56,85 @@ def _header_length(request: Request, n: int) -> int:
     return count
 
 
-async def serve_infer(
-    state: ServiceState,
-    big_json: asyncio.Semaphore,
-    request: Request,
-    model: str,
-    version: str,
-    x: Exchange,
-) -> Response:
-    kr.check_model(model, version)
-    engine = gate(state, request)
-    s = state.settings
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise UnsupportedMediaTypeError(
-            f"Content-Encoding: expected identity (bodies are read as sent), got {encoding}"
-        )
-    x.ticket = admit(state, request, s.max_body_bytes)
-    n = content_length(request)
-    json_bytes = _header_length(request, n)
-    if json_bytes > s.max_json_bytes:
-        raise BodyTooLargeError(
-            f"inference header: expected at most {s.max_json_bytes} bytes of JSON, got "
-            f"{json_bytes}; send tensors as binary data (binary_data_size)"
-        )
-    lead = -json_bytes % ALIGN
-    buf = await receive(state, request, engine, x, lead)
-    ingest_s = time.perf_counter() - x.t0
-    raw = bytes(buf.bytes_view[lead : lead + json_bytes])
-    req, tensors = await _read_request(raw, n - json_bytes, big_json)
-    del raw
-    x.request_id = req.id
-    if req.uses_shm and not s.system_shm:
-        raise off_error()
-    tensors |= _inputs(engine, req, buf, lead + json_bytes, state.system_shm)
-    homes, staging = _place_inputs(engine, tensors, buf, req, state.system_shm)
-    if staging is not None:
-        x.staging.append(staging)  # given back with the body, once the work is done
-    prepared = engine.prepare(tensors, req.options)
-    places = output_places(req, prepared, state.system_shm, s.max_json_bytes)
-    direct = direct_outputs(req, places)
-    run = functools.partial(engine.run, prepared, inputs=homes, outputs=direct)
-    try:
-        result, timing = await compute(state, disconnected(request), prepared, run, x)
-    except KernelError:
-        _check_regions(req, state.system_shm)  # a worker failed on a region shrunk meanwhile
-        raise
-    await drop_body(engine, x)
-    response = await respond(req, result, places, direct is not None)
-    x.status = 200
-    x.bytes_out = int(response.headers.get("content-length", 0))
-    return timed(response, ingest_s, *timing, x)
+class InferForm(Form[Response]):
+    """`POST /v2/models/{model}[/versions/{version}]/infer`: an inference request (JSON, then
+    binary tensor data), inputs in the body, as JSON numbers or in system shared memory; the
+    answer in the protocol's form, outputs where the request asked."""
+
+    route = "v2"
+
+    def __init__(
+        self,
+        request: Request,
+        model: str,
+        version: str,
+        regions: SystemShmRegistry | None,
+        big_json: asyncio.Semaphore,
+    ) -> None:
+        self.request = request
+        self.model, self.version = model, version
+        self.regions = regions
+        self.big_json = big_json
+        self.req: kr.InferRequest | None = None
+        self.out_places: Places = {}
+        self.direct = False
+        self.max_json_bytes = 0
+
+    async def read(self, intake: Intake) -> Work:
+        kr.check_model(self.model, self.version)
+        s = intake.settings
+        self.max_json_bytes = s.max_json_bytes
+        headers = self.request.headers
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise UnsupportedMediaTypeError(
+                f"Content-Encoding: expected identity (bodies are read as sent), got {encoding}"
+            )
+        n = intake.content_length()
+        json_bytes = _header_length(self.request, n)
+        if json_bytes > s.max_json_bytes:
+            raise BodyTooLargeError(
+                f"inference header: expected at most {s.max_json_bytes} bytes of JSON, got "
+                f"{json_bytes}; send tensors as binary data (binary_data_size)"
+            )
+        lead = -json_bytes % ALIGN
+        buf = await intake.body(s.max_body_bytes, lead)
+        raw = bytes(buf.bytes_view[lead : lead + json_bytes])
+        req, tensors = await _read_request(raw, n - json_bytes, self.big_json)
+        del raw
+        self.req = req
+        intake.record.request_id = req.id
+        if req.uses_shm and not s.system_shm:
+            raise off_error()
+        engine = intake.engine
+        tensors |= _inputs(engine, req, buf, lead + json_bytes, self.regions)
+        homes, staging = _place_inputs(engine, tensors, buf, req, self.regions)
+        if staging is not None:
+            intake.hold(staging)  # given back with the body, once the work is done
+        return Work(tensors, req.options, inputs=homes)
+
+    def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
+        assert self.req is not None
+        self.out_places = output_places(self.req, prepared, self.regions, self.max_json_bytes)
+        direct = direct_outputs(self.req, self.out_places)
+        self.direct = direct is not None
+        return direct
+
+    def explain(self, exc: ZenMLAError) -> None:
+        if self.req is not None:
+            _check_regions(self.req, self.regions)  # a worker failed on a region shrunk meanwhile
+
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+        assert result is not None and self.req is not None
+        response = await respond(self.req, result, self.out_places, self.direct)
+        record.bytes_out = int(response.headers.get("content-length", 0))
+        return server_timing(response, record)
+
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:
+        return error_response(exc, headers)
+
+    def hung_up(self) -> Response:
+        return Response(status_code=499)
 
 
 async def _read_request(

@@ -12,17 +12,14 @@ import torch
 from fastapi.responses import Response
 
 from zen_mla import InvalidInputError
-from zen_mla.engine import PrefillRequest, PrefillResult
-from zen_mla.pool import OutputPlaces
-from zen_mla.regions.registry import Span, check_disjoint
+from zen_mla.engine import OutputPlaces, PrefillRequest, PrefillResult
+from zen_mla.regions import SHM_DIR, Span, SystemRegion, SystemShmRegistry, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
-from ..answer import stream
+from ..answer import answer_metadata, stream
 from ..body import SMALL_BYTES
-from ..exchange import answer_metadata
 from . import request as kr
-from .system_shm import SHM_DIR, SystemRegion, SystemShmRegistry
 
 __all__ = ["Places", "direct_outputs", "output_places", "respond"]
 

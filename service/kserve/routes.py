@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe v2) next to `/prefill`: server and model metadata,
-health, `POST /v2/models/mla_prefill/infer` (`kserve.infer`), and the system shared memory
-extension (off unless `system_shm`). Errors are `{"error": "..."}` with the status `/prefill`
-would give, which tritonclient raises as InferenceServerException with our message.
+health, `POST /v2/models/mla_prefill/infer` (`kserve.infer.InferForm`), and the system shared
+memory extension (off unless `system_shm`; a registration reads its JSON body through the one
+pipeline, `RegisterForm`). Errors are the protocol's (`kserve.errors`).
 """
 
 from __future__ import annotations
@@ -13,51 +13,63 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from zen_mla import (
-    InvalidInputError,
-    WireFormatError,
-    ZenMLAError,
-    status_of,
-)
+from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
+from zen_mla.engine import PrefillResult
+from zen_mla.regions import SystemShmRegistry, off_error
 
-from ..exchange import Exchange, authorize, handle, receive_small
-from ..problems import problem_headers
+from ..doors import HttpDoor
+from ..form import Form, Intake, RequestRecord
+from ..pipeline import serve
 from ..state import ServiceState, readiness
 from . import request as kr
-from .infer import serve_infer
-from .system_shm import SystemShmRegistry, off_error
+from .errors import ERROR_RESPONSES, error_response
+from .infer import InferForm
 
-__all__ = ["add_routes", "error_response"]
+__all__ = ["RegisterForm", "add_routes"]
 
 REGISTER_BYTES = 64 << 10  # a system shared memory registration's JSON, at most
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {
-        "description": "an error, as the Open Inference Protocol gives it",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"error": {"type": "string"}},
-                    "required": ["error"],
-                }
-            }
-        },
-    }
-    for status in (400, 401, 403, 404, 408, 411, 413, 415, 422, 429, 500, 503, 504)
-}
+
+class RegisterForm(Form[Response]):
+    """`POST /v2/systemsharedmemory/region/{name}/register`: a small JSON body (key, offset,
+    byte_size) read as any body is, and nothing computed."""
+
+    route = "v2_register"
+    computes = False
+
+    def __init__(self, state: ServiceState, name: str) -> None:
+        self.state = state
+        self.name = name
+
+    async def read(self, intake: Intake) -> None:
+        regions = _registry(self.state)
+        raw = await intake.small(REGISTER_BYTES)
+        body = kr.parse_header(raw)
+        if not isinstance(body, dict):
+            raise WireFormatError("register", "a JSON object", type(body).__name__)
+        unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+        if unknown:
+            raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
+        regions.register(self.name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+        return None
+
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+        return JSONResponse({})
+
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:
+        return error_response(exc, headers)
+
+    def hung_up(self) -> Response:
+        return Response(status_code=499)
 
 
-def error_response(exc: ZenMLAError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": str(exc)},
-        status_code=status_of(exc),
-        headers=problem_headers(exc) | dict(headers or {}),
-    )
-
-
-def _answer_error(exc: ZenMLAError, x: Exchange, headers: dict[str, str] | None) -> Response:
-    return error_response(exc, headers)
+def _registry(state: ServiceState) -> SystemShmRegistry:
+    """The system shared memory registry, where it is on and made (ForbiddenError, 503)."""
+    if not state.settings.system_shm:
+        raise off_error()
+    if state.system_shm is None:  # made as the engine starts
+        raise readiness(state).error(retry_after=5)
+    return state.system_shm
 
 
 def add_routes(app: FastAPI, state: ServiceState) -> None:
@@ -149,22 +161,14 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         )
         async def infer(request: Request, model: str, version: str = "") -> Response:
             """Ragged MLA prefill attention (CONTRACT.md), as the mla_prefill model."""
-            return await handle(
-                state,
-                "v2",
-                functools.partial(serve_infer, state, big_json, request, model, version),
-                _answer_error,
-            )
+            form = InferForm(request, model, version, state.system_shm, big_json)
+            return await serve(state, HttpDoor(request), form)
 
     shm = "/v2/systemsharedmemory"
 
     def registry(request: Request) -> SystemShmRegistry:
-        authorize(state, request)
-        if not state.settings.system_shm:
-            raise off_error()
-        if state.system_shm is None:  # made as the engine starts
-            raise readiness(state).error(retry_after=5)
-        return state.system_shm
+        HttpDoor(request).authorize(state.settings)
+        return _registry(state)
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)
     @app.get(shm + "/region/{name}/status", tags=["v2"], responses=ERROR_RESPONSES)
@@ -176,22 +180,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
     @app.post(shm + "/region/{name}/register", tags=["v2"], responses=ERROR_RESPONSES)
     async def shm_register(request: Request, name: str) -> Response:
         """Register `byte_size` bytes from `offset` of the /dev/shm object `key` as `name`."""
-
-        async def work(x: Exchange) -> Response:
-            regions = registry(request)
-            assert state.engine is not None  # regions exist once the engine started
-            raw = await receive_small(state, request, state.engine, x, REGISTER_BYTES)
-            body = kr.parse_header(raw)
-            if not isinstance(body, dict):
-                raise WireFormatError("register", "a JSON object", type(body).__name__)
-            unknown = sorted(set(body) - {"key", "offset", "byte_size"})
-            if unknown:
-                raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
-            regions.register(name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
-            x.status = 200
-            return JSONResponse({})
-
-        return await handle(state, "v2_register", work, _answer_error)
+        return await serve(state, HttpDoor(request), RegisterForm(state, name))
 
     @app.post(shm + "/unregister", tags=["v2"], responses=ERROR_RESPONSES)
     @app.post(shm + "/region/{name}/unregister", tags=["v2"], responses=ERROR_RESPONSES)

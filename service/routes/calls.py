@@ -1,8 +1,8 @@
 """Prefill calls on the region socket, with no HTTP on their way: the `RegionServer`'s `calls`
-hook. A call is a regions-JSON `/prefill` (`routes.regions`) in a frame, and goes through what
-every compute route goes through (`exchange`: readiness, admission, the deadline, the hang-up
-rule, metrics under route "socket", the log line with its timings); the token was checked by
-the socket's hello.
+hook. A call is a regions-JSON `/prefill` (`routes.regions`) in a frame (`CallForm`), come in
+by the socket's door (`doors.CallDoor`), and goes through the one pipeline as any request
+(`pipeline.serve`: readiness, admission, the deadline, the hang-up rule, metrics under route
+"socket", the log line with its timings); the token was checked by the socket's hello.
 
     {"op": "prefill", "call": n, "body": "<the regions JSON request>"}
     -> {"ok": true, "call": n, "body": "<the regions JSON answer>"}
@@ -25,32 +25,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import time
 from typing import Any
 
 from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
-from zen_mla.pool import Reply
-from zen_mla.regions.protocol import encode_frame
-from zen_mla.regions.server import Calls
+from zen_mla.engine import PrefillRequest, PrefillResult, Reply
+from zen_mla.regions import Calls, RegionRegistry, encode_frame
 
-from ..admission import client_of
-from ..exchange import Exchange, compute, handle, ready_engine
+from ..doors import CallDoor
+from ..form import Form, Intake, RequestRecord, Work
+from ..pipeline import serve
 from ..problems import problem_body
 from ..state import ServiceState
-from .regions import answer_body, resolve
+from .regions import RegionsRequest
 
-__all__ = ["ROUTE", "socket_calls"]
+__all__ = ["ROUTE", "CallForm", "refusal", "socket_calls"]
 
 ROUTE = "socket"  # the metrics' and the log line's name for these calls
+
+#: the largest call number: what a JSON number holds exactly
+MAX_CALL = (1 << 53) - 1
+
+Frame = dict[str, Any]
 
 
 def socket_calls(state: ServiceState) -> Calls:
     """The hook that answers the region socket's `prefill` frames for `state`."""
     return functools.partial(_call, state)
-
-
-#: the largest call number: what a JSON number holds exactly
-MAX_CALL = (1 << 53) - 1
 
 
 async def _call(
@@ -59,61 +59,62 @@ async def _call(
     gone: asyncio.Future[None],
     fd: int,
     uid: int | None,
-) -> dict[str, Any] | None:
-    call = message.get("call")
-    numbered = {"call": call} if type(call) is int and 0 <= call <= MAX_CALL else {}
+) -> Frame | None:
+    form = CallForm(state.regions, message.get("call"), fd)
+    return await serve(state, CallDoor(message, gone, uid), form)
 
-    async def work(x: Exchange) -> dict[str, Any] | None:
-        engine = ready_engine(state)
-        assert state.regions is not None  # the socket runs only with its registry
-        if call is not None and not numbered:
+
+class CallForm(RegionsRequest, Form["Frame | None"]):
+    """A prefill frame: a regions JSON request, answered by a frame (None where the worker wrote
+    it). `call` is the client's count of its calls on the connection (optional); `fd` the
+    connection's descriptor, which a worker's reply is written to."""
+
+    route = ROUTE
+
+    def __init__(self, registry: RegionRegistry | None, call: object, fd: int) -> None:
+        super().__init__(registry)
+        self.call = call
+        self.fd = fd
+        ok = type(call) is int and 0 <= call <= MAX_CALL
+        self.numbered: Frame = {"call": call} if ok else {}
+        self.frame: Frame = {}
+
+    async def read(self, intake: Intake) -> Work:
+        if self.call is not None and not self.numbered:
             raise InvalidInputError(
-                "call", f"a whole number from 0 to {MAX_CALL} (the call's count)", f"{call!r:.40}"
+                "call",
+                f"a whole number from 0 to {MAX_CALL} (the call's count)",
+                f"{self.call!r:.40}",
             )
-        body = message.get("body")
-        if not isinstance(body, str):
-            raise InvalidInputError(
-                "body", "the regions JSON request, as a string", type(body).__name__
-            )
-        raw = body.encode()  # at most the frame's cap: the socket's one reader read it
-        x.ticket = state.admission.admit_read(len(raw), client_of(uid))
-        x.bytes_in = len(raw)
-        ingest_s = time.perf_counter() - x.t0
-        resolved = resolve(raw, state.regions, engine)
-        x.request_id = resolved.options.request_id
-        answer = answer_body(resolved, resolved.prepared.kernels, x.request_id).decode()
-        reply = {"ok": True, **numbered, "body": answer}
-        run = functools.partial(
-            engine.run,
-            resolved.prepared,
-            inputs=resolved.inputs,
-            outputs=resolved.outputs,
-            reply=Reply(fd, encode_frame(reply)) if numbered else None,
-        )
-        result, (queue_s, compute_s) = await compute(state, gone, resolved.prepared, run, x)
-        result.release()  # the client's memory: nothing goes back to a cache
-        x.status, x.bytes_out = 200, len(answer)
-        x.info |= {
-            "ingest_ms": round(ingest_s * 1e3, 3),
-            "queue_ms": round(queue_s * 1e3, 3),
-            "compute_ms": round(compute_s * 1e3, 3),
-            "replied_by": "worker" if result.replied else "service",
-        }
-        return None if result.replied else reply
+        return await super().read(intake)
 
-    def answer_error(exc: ZenMLAError, x: Exchange, _: dict[str, str] | None) -> dict[str, Any]:
-        return refusal(exc, x.request_id) | numbered
+    def reply(self, prepared: PrefillRequest) -> Reply | None:
+        # known before the work runs (where the results go): a worker may write it itself
+        body = self.answer_body(prepared.kernels, self._request_id()).decode()
+        self.frame = {"ok": True, **self.numbered, "body": body}
+        return Reply(self.fd, encode_frame(self.frame)) if self.numbered else None
 
-    return await handle(
-        state, ROUTE, work, answer_error, lambda: {"ok": False, **numbered, "status": 499}
-    )
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Frame | None:
+        assert result is not None
+        record.bytes_out = len(self.frame["body"])
+        record.info["replied_by"] = "worker" if result.replied else "service"
+        return None if result.replied else self.frame
+
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Frame:
+        return refusal(exc, record.request_id) | self.numbered
+
+    def hung_up(self) -> Frame:
+        return {"ok": False, **self.numbered, "status": 499}
+
+    def _request_id(self) -> str | None:
+        return self.resolved.options.request_id if self.resolved is not None else None
 
 
-def refusal(exc: ZenMLAError, request_id: str | None = None) -> dict[str, Any]:
+def refusal(exc: ZenMLAError, request_id: str | None = None) -> Frame:
     """The error reply: the problem body's fields, flat, and the retry hint a header carries
     on HTTP."""
     problem = problem_body(exc, request_id)
-    reply: dict[str, Any] = {"ok": False, "error": problem["detail"], **problem}
+    reply: Frame = {"ok": False, "error": problem["detail"], **problem}
     if isinstance(exc, OverloadedError) and exc.retry_after is not None:
         reply["retry_after"] = max(1, math.ceil(exc.retry_after))
     return reply

@@ -1,39 +1,27 @@
-"""`POST /prefill`, in either body form: a safetensors file (read straight into the pool's
-shared memory by the one body reader, decoded as views, read there in place by the workers, and
-answered from the shared memory the workers wrote), or a regions JSON naming places in the
-client's same-host regions (`routes.regions`). Errors leave as problem+json (`problems`)."""
+"""`POST /prefill`, in either body form: a safetensors file (`SafetensorsForm`: read straight
+into the pool's shared memory by the one body reader, decoded as views, read there in place by
+the workers, and answered from the shared memory the workers wrote), or a regions JSON naming
+places in the client's same-host regions (`routes.regions.RegionsForm`). Both go through the
+one pipeline (`pipeline.serve`); errors leave as problem+json (`problems`)."""
 
 from __future__ import annotations
-
-import functools
-import time
 
 import torch
 from fastapi import FastAPI, Request, Response
 
 from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
-from zen_mla.engine import PrefillEngine, PrefillResult
+from zen_mla.engine import PrefillResult
 from zen_mla.wire import regions_json
 
-from ..answer import stream
-from ..exchange import (
-    Exchange,
-    admit,
-    answer_metadata,
-    compute,
-    disconnected,
-    drop_body,
-    gate,
-    handle,
-    receive,
-    receive_small,
-    timed,
-)
+from ..answer import answer_metadata, server_timing, stream
+from ..doors import HttpDoor
+from ..form import Form, Intake, RequestRecord, Work
+from ..pipeline import serve
 from ..problems import PROBLEM_RESPONSES, problem
 from ..state import ServiceState
-from .regions import answer, resolve
+from .regions import RegionsForm
 
-__all__ = ["add_routes", "send"]
+__all__ = ["SafetensorsForm", "add_routes", "send"]
 
 
 def add_routes(app: FastAPI, state: ServiceState) -> None:
@@ -62,66 +50,50 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
     )
     async def prefill(request: Request) -> Response:
         """Ragged MLA prefill attention (see CONTRACT.md)."""
-        return await _prefill(state, request)
-
-
-async def _prefill(state: ServiceState, request: Request) -> Response:
-    async def work(x: Exchange) -> Response:
-        engine = gate(state, request)
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        form: Form[Response]
         if media == regions_json.MEDIA_TYPE and state.regions is not None:
-            return await _from_regions(state, request, engine, x)
-        if media != "application/octet-stream":
+            form = RegionsForm(state.regions)
+        else:
+            form = SafetensorsForm(media, state.regions is not None)
+        return await serve(state, HttpDoor(request), form)
+
+
+class SafetensorsForm(Form[Response]):
+    """A safetensors body: read into shared memory, decoded as views, read there in place; the
+    answer a safetensors file streamed from the shared memory the workers wrote."""
+
+    route = "prefill"
+
+    def __init__(self, media: str, regions_offered: bool) -> None:
+        self.media = media
+        self.regions_offered = regions_offered
+
+    async def read(self, intake: Intake) -> Work:
+        if self.media != "application/octet-stream":
             offered = "application/octet-stream" + (
-                f" or {regions_json.MEDIA_TYPE}" if state.regions is not None else ""
+                f" or {regions_json.MEDIA_TYPE}" if self.regions_offered else ""
             )
             raise UnsupportedMediaTypeError(
-                f"Content-Type: expected {offered}, got {media or 'none'}"
+                f"Content-Type: expected {offered}, got {self.media or 'none'}"
             )
-        return await _from_body(state, request, engine, x)
+        buf = await intake.body(intake.settings.max_body_bytes)
+        n = intake.record.bytes_in
+        tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
+        intake.record.request_id = meta.get("request_id")
+        return Work(tensors, wire.parse_options(meta), inputs=buf)
 
-    def answer_error(exc: ZenMLAError, x: Exchange, headers: dict[str, str] | None) -> Response:
-        return problem(exc, x.request_id, headers)
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+        assert result is not None
+        response = send(result, record.request_id)
+        record.bytes_out = int(response.headers["content-length"])
+        return server_timing(response, record)
 
-    return await handle(state, "prefill", work, answer_error)
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:
+        return problem(exc, record.request_id, headers)
 
-
-async def _from_body(
-    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange
-) -> Response:
-    """A safetensors body: read into shared memory, decoded as views, read there in place."""
-    s = state.settings
-    x.ticket = admit(state, request, s.max_body_bytes)
-    buf = await receive(state, request, engine, x)
-    n = x.bytes_in
-    ingest_s = time.perf_counter() - x.t0
-    tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
-    x.request_id = meta.get("request_id")
-    options = wire.parse_options(meta)
-    prepared = engine.prepare(tensors, options)
-    run = functools.partial(engine.run, prepared, inputs=buf)
-    result, timing = await compute(state, disconnected(request), prepared, run, x)
-    await drop_body(engine, x)
-    response = send(result, x.request_id)
-    x.status, x.bytes_out = 200, int(response.headers["content-length"])
-    return timed(response, ingest_s, *timing, x)
-
-
-async def _from_regions(
-    state: ServiceState, request: Request, engine: PrefillEngine, x: Exchange
-) -> Response:
-    """A small JSON body naming places in the client's regions: no tensor byte is read."""
-    assert state.regions is not None
-    body = await receive_small(state, request, engine, x, wire.MAX_HEADER_BYTES)
-    ingest_s = time.perf_counter() - x.t0
-    work = resolve(body, state.regions, engine)
-    x.request_id = work.options.request_id
-    run = functools.partial(engine.run, work.prepared, inputs=work.inputs, outputs=work.outputs)
-    result, timing = await compute(state, disconnected(request), work.prepared, run, x)
-    result.release()  # the client's memory: nothing goes back to a cache
-    response = answer(work, result.kernels, x.request_id)
-    x.status, x.bytes_out = 200, len(response.body)
-    return timed(response, ingest_s, *timing, x)
+    def hung_up(self) -> Response:
+        return Response(status_code=499)
 
 
 def send(result: PrefillResult, request_id: str | None) -> Response:

@@ -1,4 +1,4 @@
-"""`exchange.compute` when the client has hung up: a job its worker answers (a region-socket
+"""`pipeline.compute` when the client has hung up: a job its worker answers (a region-socket
 call's `Reply`) is decided by its outcome, since the client may have read that answer before
 the service reads the worker's Done; any other job is a hang-up (499) at once. A real engine
 with one worker; the hang-up is a `gone` future already done, so no timing decides it."""
@@ -6,18 +6,18 @@ with one worker; the hang-up is a `gone` future already done, so no timing decid
 from __future__ import annotations
 
 import asyncio
-import functools
 import socket
+import time
 
 import pytest
 import torch
 
 import zen_mla
-from service.exchange import ClientGoneError, Exchange, compute
+from service.form import RequestRecord
+from service.pipeline import ClientGoneError, Held, compute
 from service.settings import Settings
 from service.state import ServiceState
-from zen_mla.engine import EngineConfig, PrefillEngine
-from zen_mla.pool import PoolConfig, Reply
+from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine, Reply, SharedBuffer
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def engine():
         yield e
 
 
-def _placed(engine: PrefillEngine) -> tuple[dict[str, torch.Tensor], zen_mla.pool.SharedBuffer]:
+def _placed(engine: PrefillEngine) -> tuple[dict[str, torch.Tensor], SharedBuffer]:
     g = torch.Generator().manual_seed(0)
     shapes = {"q": (5, 4, 64), "k": (5, 4, 64), "v": (5, 4, 32)}
     buf = engine.buffer(1 << 20)
@@ -46,23 +46,22 @@ def _placed(engine: PrefillEngine) -> tuple[dict[str, torch.Tensor], zen_mla.poo
 def _hung_up_compute(engine: PrefillEngine, reply_to: socket.socket | None):
     """`compute` of one small job whose client is gone before it starts; its result, or the
     exception it raised."""
-    state = ServiceState(Settings())
+    state = ServiceState(Settings(), engine=engine)
     placed, buf = _placed(engine)
     prepared = engine.prepare(placed)
     reply = Reply(reply_to.fileno(), FRAME) if reply_to is not None else None
-    run = functools.partial(engine.run, prepared, inputs=buf, reply=reply)
 
     async def main():
         gone = asyncio.get_running_loop().create_future()
         gone.set_result(None)  # the client's socket ended
-        x = Exchange("socket")
-        x.ticket = state.admission.admit_read(0)
+        record = RequestRecord("socket", time.perf_counter())
+        held = Held(state.admission.admit_read(0))
         try:
-            result, _ = await compute(state, gone, prepared, run, x)
+            result = await compute(state, gone, prepared, record, held, inputs=buf, reply=reply)
             return result, placed
         finally:
-            if x.ticket is not None:  # a hang-up's work holds it until that work ends
-                x.ticket.close()
+            if held.ticket is not None:  # a hang-up's work holds it until that work ends
+                held.ticket.close()
 
     return asyncio.run(main())
 

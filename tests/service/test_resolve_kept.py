@@ -1,20 +1,38 @@
-"""What a regions body resolved to is kept (`routes.regions.resolve`): the same tensors for the
-same body while its regions stay, the batch validated again every call (its offsets live in the
-client's memory), and nothing kept once a region goes."""
+"""What a regions body resolved to is kept (`routes.regions.RegionsRequest`): the same tensors
+for the same body while its regions stay, the batch validated again every call (its offsets live
+in the client's memory), and nothing kept once a region goes, or when a body fails."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import zen_mla
 from service.routes import regions as routes
-from zen_mla.engine import EngineConfig, PrefillEngine
+from zen_mla.engine import EngineConfig, OutputPlaces, PrefillEngine, PrefillRequest
 from zen_mla.pool import PoolConfig
 from zen_mla.regions.memfd import create_sealed_memfd
 from zen_mla.regions.registry import Region, RegionRegistry
 from zen_mla.wire import regions_json
 from zen_mla.wire.regions_json import TensorPlace
+
+
+@dataclass
+class Resolution:
+    prepared: PrefillRequest
+    outputs: OutputPlaces
+    places: dict[str, TensorPlace]
+
+
+def resolve(body: bytes, registry: RegionRegistry, engine: PrefillEngine) -> Resolution:
+    """What the pipeline does with a regions body between reading it and running it: read
+    (kept, or resolved), validated, outputs placed (and then kept)."""
+    form = routes.RegionsRequest(registry)
+    resolved = form.resolve(body)
+    prepared = engine.prepare(resolved.tensors, resolved.options)
+    return Resolution(prepared, form.places(prepared), resolved.places)
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +59,24 @@ def _setup(engine: PrefillEngine) -> tuple[RegionRegistry, dict[str, Region], Re
 
 def test_the_same_body_resolves_to_the_same_tensors_and_is_validated_again(engine):
     registry, _held, region, body = _setup(engine)
-    first = routes.resolve(body, registry, engine)
-    again = routes.resolve(body, registry, engine)
+    first = resolve(body, registry, engine)
+    again = resolve(body, registry, engine)
     assert again.prepared.batch.q is first.prepared.batch.q  # kept, not resolved again
     assert again.prepared is not first.prepared
     assert again.outputs == first.outputs and again.places == first.places
     cu = region.buffer.tensor(3072, (3,), torch.int32)
     cu.copy_(torch.tensor([0, 4, 5], dtype=torch.int32))  # the client moved its offsets
-    assert routes.resolve(body, registry, engine).prepared.batch.q_cu_seq_lens == (0, 4, 5)
+    assert resolve(body, registry, engine).prepared.batch.q_cu_seq_lens == (0, 4, 5)
     cu.copy_(torch.tensor([0, 6, 5], dtype=torch.int32))  # and broke them
     with pytest.raises(zen_mla.InvalidInputError) as info:
-        routes.resolve(body, registry, engine)
+        resolve(body, registry, engine)
     assert info.value.name == "q_cu_seq_lens"
 
 
 @pytest.mark.parametrize("how", ["unregister", "drop"])
 def test_nothing_is_kept_once_a_region_goes(engine, how):
     registry, held, region, body = _setup(engine)
-    routes.resolve(body, registry, engine)
+    resolve(body, registry, engine)
     assert registry.memo
     if how == "unregister":
         registry.unregister(region.handle, held)
@@ -66,7 +84,7 @@ def test_nothing_is_kept_once_a_region_goes(engine, how):
         registry.drop(held)  # the client's connection ended
     assert not registry.memo
     with pytest.raises(zen_mla.InvalidInputError, match="registered region handle"):
-        routes.resolve(body, registry, engine)
+        resolve(body, registry, engine)
 
 
 def test_a_body_that_fails_is_never_kept_and_the_kept_are_bounded(engine):
@@ -74,25 +92,25 @@ def test_a_body_that_fails_is_never_kept_and_the_kept_are_bounded(engine):
     bad = body.replace(b'"offset":4096', b'"offset":4097')  # out misaligned for bf16
     for _ in range(2):
         with pytest.raises(zen_mla.InvalidInputError, match=r"out\.offset"):
-            routes.resolve(bad, registry, engine)
+            resolve(bad, registry, engine)
     assert not registry.memo
     for i in range(routes.RESOLVED_KEPT + 3):
         meta = regions_json.encode(regions_json.decode(body, regions_json.REQUEST_NAMES).places,
                                    {"causal": "true", "request_id": f"r{i}"})  # fmt: skip
-        routes.resolve(meta, registry, engine)
+        resolve(meta, registry, engine)
     assert 0 < len(registry.memo) <= routes.RESOLVED_KEPT
 
 
 def test_a_kept_answer_is_the_answer_made_afresh(engine):
     registry, _held, _region, body = _setup(engine)
-    work = routes.resolve(body, registry, engine)
+    work = resolve(body, registry, engine)
     for kernels, request_id in [
         (zen_mla.KernelChoice("zentorch", None), None),
         (zen_mla.KernelChoice("torch", "torch"), None),
         (zen_mla.KernelChoice("zentorch", None), "layer-7"),
     ]:
-        got = routes.answer_body(work, kernels, request_id)
-        assert routes.answer_body(work, kernels, request_id) is got  # kept
+        got = routes.answer_body(work.places, kernels, request_id)
+        assert routes.answer_body(work.places, kernels, request_id) is got  # kept
         answer = regions_json.decode(got, regions_json.RESPONSE_TENSORS)
         assert answer.places == {"out": work.places["out"]}
         assert answer.metadata["kernel"] == kernels.out

@@ -1,9 +1,57 @@
-"""Same-host regions: shared memory a client on the service's host hands over a Unix socket, so
-that no tensor byte crosses a socket. Both ends live here:
+"""Same-host regions: shared memory a client on the service's host hands over a Unix socket (or,
+for the Open Inference Protocol, names in /dev/shm), so that no tensor byte crosses a socket.
+Both ends live here:
 
-    memfd.py     sealed, populated anonymous memory (made by the client, checked by the service)
-    protocol.py  the socket's frames, and the one reader of them
-    registry.py  the service's regions by handle, their limits and their checks
-    server.py    the service's end of the socket
-    client.py    the client's end: registration, regions, places of tensors
+    memfd.py       sealed, populated anonymous memory (made by the client, checked by the service)
+    protocol.py    the socket's frames, and the one reader of them
+    registry.py    the service's regions by handle, their limits and their checks
+    server.py      the service's end of the socket
+    client.py      the client's end: registration, regions, places of tensors
+    system_shm.py  the service's registry of /dev/shm objects named by key (system shared memory)
+
+The service's names are below; they load on first use, so a client importing `regions.client`
+does not load the server's end.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol import encode_frame
+    from .registry import RegionRegistry, Span, check_disjoint
+    from .server import Calls, RegionServer
+    from .system_shm import SHM_DIR, SystemRegion, SystemShmRegistry, off_error
+
+__all__ = [
+    "SHM_DIR",
+    "Calls",
+    "RegionRegistry",
+    "RegionServer",
+    "Span",
+    "SystemRegion",
+    "SystemShmRegistry",
+    "check_disjoint",
+    "encode_frame",
+    "off_error",
+]
+
+_LAZY = {
+    "SHM_DIR": ".system_shm",
+    "Calls": ".server",
+    "RegionRegistry": ".registry",
+    "RegionServer": ".server",
+    "Span": ".registry",
+    "SystemRegion": ".system_shm",
+    "SystemShmRegistry": ".system_shm",
+    "check_disjoint": ".registry",
+    "encode_frame": ".protocol",
+    "off_error": ".system_shm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from service.kserve.system_shm import SHM_DIR, SystemShmRegistry
 from zen_mla import InvalidInputError, NotFoundError
 from zen_mla.pool import SharedBuffer
+from zen_mla.regions.system_shm import SHM_DIR, SystemShmRegistry
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zen_mla import ForbiddenError, InvalidInputError, NotFoundError
-from zen_mla.pool import SharedBuffer
+from ..errors import ForbiddenError, InvalidInputError, NotFoundError
+from ..pool import SharedBuffer
 
 __all__ = ["SHM_DIR", "SystemRegion", "SystemShmRegistry", "off_error"]
 

@@ -1,0 +1,99 @@
+"""How a request came in, as the pipeline (`pipeline`) needs to know it: who sent it (the client
+admission counts), whether its token is good, how many bytes it announces and where they come
+from, and when its sender hangs up. Two doors: an HTTP request (`HttpDoor`) and a prefill frame
+on the region socket (`CallDoor`), whose bytes the socket's one frame reader read already."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Hashable
+from typing import Any
+
+from fastapi import Request
+
+from zen_mla import InvalidInputError, LengthRequiredError, UnauthorizedError
+
+from .admission import client_of
+from .body import Receive
+from .settings import Settings
+
+__all__ = ["CallDoor", "Door", "HttpDoor", "byte_count"]
+
+
+def byte_count(raw: str) -> int | None:
+    """A header's byte count: ASCII digits only (str.isdigit() takes "²" and int() 5,000
+    digits, both costly or fatal later), at most 18 of them; None otherwise."""
+    raw = raw.strip()
+    if not (0 < len(raw) <= 18 and raw.isascii() and raw.isdigit()):
+        return None
+    return int(raw)
+
+
+class HttpDoor:
+    """An HTTP request: its client is the peer's address, its token the bearer token, its
+    bytes the body its Content-Length announces."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.client: Hashable = client_of(request.client.host if request.client else None)
+        self.receive: Receive = request.receive
+
+    def authorize(self, settings: Settings) -> None:
+        """The bearer token, where one is set (UnauthorizedError otherwise)."""
+        if settings.api_token is not None:
+            auth = self.request.headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            good = settings.api_token.get_secret_value().encode()
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), good):
+                raise UnauthorizedError(
+                    "a valid bearer token is required (Authorization: Bearer ...)"
+                )
+
+    def content_length(self) -> int:
+        """The body's announced size (LengthRequiredError where none is readable)."""
+        raw = self.request.headers.get("content-length")
+        n = None if raw is None else byte_count(raw)
+        if n is None:
+            got = "none" if raw is None else repr(raw[:40])
+            raise LengthRequiredError(f"Content-Length: expected the body size in bytes, got {got}")
+        return n
+
+    async def gone(self) -> None:
+        """Returns once the client hangs up."""
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+
+class CallDoor:
+    """A prefill frame on the region socket: its client is the peer's uid (SO_PEERCRED), its
+    token was checked by the socket's hello, its bytes are the frame's `body`, and the socket's
+    end is `gone`."""
+
+    def __init__(
+        self, message: dict[str, Any], gone: asyncio.Future[None], uid: int | None
+    ) -> None:
+        self.message = message
+        self.client: Hashable = client_of(uid)
+        self._gone = gone
+
+    def authorize(self, settings: Settings) -> None:
+        """Nothing to check: the socket's hello did."""
+
+    def body(self) -> bytes:
+        """The frame's `body`, a regions JSON request (at most the frame's cap: the socket's one
+        reader read it)."""
+        body = self.message.get("body")
+        if not isinstance(body, str):
+            raise InvalidInputError(
+                "body", "the regions JSON request, as a string", type(body).__name__
+            )
+        return body.encode()
+
+    def gone(self) -> Awaitable[None]:
+        return self._gone
+
+
+Door = HttpDoor | CallDoor

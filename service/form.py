@@ -1,0 +1,130 @@
+"""A request form: what a way in supplies to the one pipeline (`pipeline.serve`), and nothing
+more. A form says how its request is read into tensors (or places) and options (`read`), where
+the outputs go (`places`), a reply a worker may write itself (`reply`), how its answer is
+written (`answer`) and how its errors are (`refuse`). Admission, the body reader, validation,
+the queue, the deadline, the hang-up rule, release, metrics and the log line are the
+pipeline's: adding a form touches the form alone. (httpx's transports are the model: a
+transport implements `handle_request`; the client owns the rest.)
+
+    safetensors /prefill    routes/prefill.py
+    regions JSON /prefill   routes/regions.py
+    region-socket call      routes/calls.py
+    /v2 infer               kserve/infer.py
+    /v2 shm registration    kserve/routes.py (reads a body, computes nothing)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from zen_mla import ZenMLAError
+from zen_mla.engine import (
+    OutputPlaces,
+    PrefillEngine,
+    PrefillRequest,
+    PrefillResult,
+    Reply,
+    SharedBuffer,
+)
+from zen_mla.wire import PrefillOptions
+
+from .settings import Settings
+
+__all__ = ["Form", "Intake", "RequestRecord", "Work"]
+
+A = TypeVar("A")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the log line and the metrics see it (the pipeline fills it; a form
+    sets `request_id` as soon as it knows it, and `bytes_out` as it answers)."""
+
+    route: str
+    t0: float
+    request_id: str | None = None
+    status: int = 500
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ingest_s: float = 0.0  # from the start until the request's bytes were in
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """A request read: its tensors by the contract's names (q, k, v, q_cu_seq_lens[,
+    kv_cu_seq_lens]), its options, and the buffers q, k and v lie in (read there in place)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    options: PrefillOptions
+    inputs: SharedBuffer | Sequence[SharedBuffer] | None = None
+
+
+class Intake(Protocol):
+    """What the pipeline lends a form while it reads its request."""
+
+    record: RequestRecord
+    settings: Settings
+
+    @property
+    def engine(self) -> PrefillEngine: ...
+
+    def content_length(self) -> int:
+        """The HTTP body's announced size."""
+        ...
+
+    async def body(self, limit: int, lead: int = 0) -> SharedBuffer:
+        """The whole HTTP body (at most `limit` bytes, admitted first) in a pool buffer from
+        byte `lead` on, through the one body reader; it goes back once the work is done."""
+        ...
+
+    async def small(self, limit: int) -> bytes:
+        """A small body (a JSON), admitted and read as any other, as bytes; on the region
+        socket, the frame's body, which the socket's one reader read."""
+        ...
+
+    def hold(self, buf: SharedBuffer) -> None:
+        """A buffer of the engine's that the work reads: given back with the body."""
+        ...
+
+
+class Form(Generic[A]):
+    """One request in one form; `A` is its answer (an HTTP response, a socket frame).
+    `computes`: False for a form that only reads a body (a registration): `read` returns None,
+    no engine is asked to be ready and `answer` gets no result."""
+
+    route: str = ""  # the metrics' and the log line's name
+    computes: bool = True
+
+    async def read(self, intake: Intake) -> Work | None:
+        raise NotImplementedError
+
+    def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
+        """Where the outputs go (checked against the validated request); None: a buffer of the
+        engine's, answered from there."""
+        return None
+
+    def reply(self, prepared: PrefillRequest) -> Reply | None:
+        """A reply its worker writes to the caller itself once the work is done, if any."""
+        return None
+
+    def explain(self, exc: ZenMLAError) -> None:
+        """Raise a more precise error for `exc`, a worker's failure, where the form knows one."""
+
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> A:
+        """The answer to the work done (`result` is released by the answer once sent)."""
+        raise NotImplementedError
+
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> A:
+        """The answer to an error, in the form's own shape."""
+        raise NotImplementedError
+
+    def hung_up(self) -> A:
+        """The answer nobody reads: the client hung up (counted as 499)."""
+        raise NotImplementedError

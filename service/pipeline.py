@@ -1,0 +1,355 @@
+"""The one pipeline: every request that brings bytes in (a `/prefill` in either body form, a
+region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in `serve`.
+
+    gate       admitting (`ready_engine`), the door's token
+    read       the form reads its request (`Form.read`) through the intake: admission and the
+               client's share before a byte is read, then the one body reader (`body`) or the
+               socket's frame, within the request's deadline
+    prepare    validated once, within the caps, kernels chosen (`PrefillEngine.prepare`)
+    run        queued for the client (round-robin between clients), waited for within the
+               deadline while the door watches for a hang-up (`compute`)
+    answer     the inputs' buffers back first, then the form writes the answer
+    account    whatever happened: admission and buffers given back, metrics, the log line
+
+The form supplies only the read and the answer (`form`); the door only who sent it and where
+its bytes are (`doors`). A zen_mla error is answered in the form's shape; anything else is a
+bug of ours, answered 500 as InternalError; a client gone is a 499, in the metrics only."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import ClientDisconnect
+
+from zen_mla import (
+    BodyTooLargeError,
+    InternalError,
+    KernelError,
+    ZenMLAError,
+    status_of,
+)
+from zen_mla.engine import (
+    OutputPlaces,
+    PrefillEngine,
+    PrefillJob,
+    PrefillRequest,
+    PrefillResult,
+    Reply,
+    SharedBuffer,
+)
+
+from .admission import Ticket
+from .body import SMALL_BYTES, give_back, read_body
+from .doors import CallDoor, Door, HttpDoor
+from .form import Form, RequestRecord, Work
+from .settings import Settings
+from .state import ServiceState, readiness
+
+__all__ = ["ClientGoneError", "Held", "compute", "ready_engine", "serve"]
+
+log = logging.getLogger("zen_mla.service")
+A = TypeVar("A")
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection while its work ran (answered 499, for metrics)."""
+
+
+def ready_engine(state: ServiceState) -> PrefillEngine:
+    """The engine, while the service admits compute requests (`readiness`); else its 503."""
+    now = readiness(state)
+    if not now.admitting or state.engine is None:
+        raise now.error(retry_after=5)
+    return state.engine
+
+
+async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
+    """`form`'s request, come in by `door`, from its gate to its log line (see the module)."""
+    record = RequestRecord(form.route, time.perf_counter())
+    intake = _Intake(state, door, record)
+    try:
+        if form.computes:
+            ready_engine(state)
+        door.authorize(state.settings)
+        work = await form.read(intake)
+        if work is None:
+            answer = await form.answer(None, record)
+        else:
+            answer = await _run(state, door, form, intake, work)
+        record.status = 200
+        return answer
+    except (ClientDisconnect, ClientGoneError):
+        record.status = 499
+        return form.hung_up()
+    except ZenMLAError as exc:
+        record.status = status_of(exc)
+        # Answered before the whole body came: the connection closes (lingering, see
+        # protocol.py) rather than reading an unbounded rest of the body to keep it alive.
+        return form.refuse(exc, record, {} if record.bytes_in else {"Connection": "close"})
+    except Exception as exc:  # a bug of ours: a 500 of its own class, never a dropped connection
+        log.exception("%s failed", form.route)
+        record.status = 500
+        error = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+        return form.refuse(error, record, {})
+    finally:
+        await intake.held.release(state.engine)
+        _account(state, record)
+
+
+async def _run(state: ServiceState, door: Door, form: Form[A], intake: _Intake, work: Work) -> A:
+    engine = intake.engine
+    record = intake.record
+    prepared = engine.prepare(work.tensors, work.options)
+    places = form.places(prepared)
+    reply = form.reply(prepared)
+    try:
+        result = await compute(
+            state,
+            door.gone(),
+            prepared,
+            record,
+            intake.held,
+            inputs=work.inputs,
+            places=places,
+            reply=reply,
+        )
+    except KernelError as exc:
+        form.explain(exc)
+        raise
+    await intake.held.give_back(engine)  # the inputs' memory, before the answer goes out
+    if places is not None:
+        result.release()  # written where the caller said: no memory of the pool's to keep
+    return await form.answer(result, record)
+
+
+@dataclass
+class Held:
+    """What a request holds until its work ends: its share of the admission and the engine's
+    buffers its work reads (its body's, staging). Owned by the request's task; handed whole to
+    the task that waits out work whose client hung up (`_abandon`)."""
+
+    ticket: Ticket | None = None
+    buffers: list[SharedBuffer] = field(default_factory=list)
+
+    async def give_back(self, engine: PrefillEngine) -> None:
+        """The buffers back to the engine."""
+        buffers, self.buffers = self.buffers, []
+        for buf in buffers:
+            await give_back(engine, buf)
+
+    async def release(self, engine: PrefillEngine | None) -> None:
+        """Everything back: the buffers, then the admission."""
+        if engine is not None:
+            await self.give_back(engine)
+        if self.ticket is not None:
+            self.ticket.close()
+            self.ticket = None
+
+    def hand_over(self) -> Held:
+        """What is held, in a new owner; this one holds nothing after."""
+        kept = Held(self.ticket, self.buffers)
+        self.ticket, self.buffers = None, []
+        return kept
+
+
+class _Intake:
+    """`form.Intake`: what a form reads its request through, for one request."""
+
+    def __init__(self, state: ServiceState, door: Door, record: RequestRecord) -> None:
+        self.state = state
+        self.settings: Settings = state.settings
+        self.door = door
+        self.record = record
+        self.held = Held()
+
+    @property
+    def engine(self) -> PrefillEngine:
+        if self.state.engine is None:
+            raise readiness(self.state).error(retry_after=5)
+        return self.state.engine
+
+    def content_length(self) -> int:
+        if not isinstance(self.door, HttpDoor):
+            raise TypeError("a region-socket call has no HTTP body")
+        return self.door.content_length()
+
+    async def body(self, limit: int, lead: int = 0) -> SharedBuffer:
+        door = self.door
+        if not isinstance(door, HttpDoor):
+            raise TypeError("a region-socket call has no HTTP body")
+        # Checks made before a byte of the body is read; the request's share of the admission,
+        # counted to its client.
+        n = door.content_length()
+        if n > limit:
+            raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
+        admission = self.state.admission
+        admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
+        ticket = self.held.ticket = admission.admit(n, door.client)
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        buf = await read_body(
+            door.receive,
+            ticket,
+            self.engine,
+            min_rate=s.min_body_rate,
+            grace_s=s.body_grace_s,
+            deadline_at=loop.time() + _remaining(s, self.record),
+            deadline_s=s.deadline_s,
+            lead=lead,
+        )
+        self.held.buffers.append(buf)
+        self._arrived(ticket.nbytes)
+        ticket.uploaded()
+        return buf
+
+    async def small(self, limit: int) -> bytes:
+        if isinstance(self.door, CallDoor):
+            raw = self.door.body()
+            if len(raw) > limit:
+                raise BodyTooLargeError(f"body: expected at most {limit} bytes, got {len(raw)}")
+            self.held.ticket = self.state.admission.admit_read(len(raw), self.door.client)
+            self._arrived(len(raw))
+            return raw
+        buf = await self.body(limit)
+        try:
+            return bytes(buf.bytes_view[: self.record.bytes_in])
+        finally:
+            await self.held.give_back(self.engine)
+
+    def hold(self, buf: SharedBuffer) -> None:
+        self.held.buffers.append(buf)
+
+    def _arrived(self, nbytes: int) -> None:
+        self.record.bytes_in = nbytes
+        self.record.ingest_s = time.perf_counter() - self.record.t0
+
+
+def _remaining(settings: Settings, record: RequestRecord) -> float:
+    return settings.deadline_s - (time.perf_counter() - record.t0)
+
+
+async def compute(
+    state: ServiceState,
+    gone: Awaitable[None],
+    prepared: PrefillRequest,
+    record: RequestRecord,
+    held: Held,
+    *,
+    inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
+    places: OutputPlaces | None = None,
+    reply: Reply | None = None,
+) -> PrefillResult:
+    """Queue the prepared request for `held`'s client and wait for it within the deadline,
+    watching the client (`gone`, an awaitable that completes when it hangs up; cancelled once
+    the work is done; a hang-up while the job's worker holds its reply does not count, see
+    `PrefillJob.replying`); its (queue, compute) seconds go to `record`. A small request is
+    run from this thread (`loop=`): one small enough for one worker goes straight to an idle
+    one, with no thread between."""
+    engine = state.engine
+    assert engine is not None and held.ticket is not None, "read through the intake first"
+    record.info |= {
+        "tq": prepared.num_q_tokens,
+        "tk": prepared.num_kv_tokens,
+        "b": prepared.num_requests,
+    }
+    held.ticket.enqueue()
+    batch = prepared.batch
+    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
+    run = functools.partial(
+        engine.run,
+        prepared,
+        inputs=inputs,
+        outputs=places,
+        reply=reply,
+        client=held.ticket.client,  # queued work takes turns between clients
+    )
+    if out_bytes > SMALL_BYTES:
+        job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
+    else:
+        job = run(loop=asyncio.get_running_loop())
+    waiting = job.settled(_remaining(state.settings, record))  # a future: no task to step
+    watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
+    watch: set[asyncio.Future[Any]] = {waiting, watcher}
+    await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done() and job.replying:
+        # Its worker answers the client itself, who may read that answer and hang up before
+        # the worker's Done is read here: the job's outcome decides, within the deadline as
+        # any job's, not the hang-up (which counted answered calls as 499s).
+        await asyncio.wait({waiting})
+    if not waiting.done():
+        _abandon(state, job, waiting, held)
+        raise ClientGoneError
+    watcher.cancel()
+    result = waiting.result()  # DeadlineExceededError past the deadline
+    done_at = time.perf_counter()
+    record.queue_s = (job.started_at or done_at) - job.queued_at
+    record.compute_s = done_at - (job.started_at or done_at)
+    state.metrics.observe("queue", record.queue_s)
+    state.metrics.observe("compute", record.compute_s)
+    state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
+    return result
+
+
+def _abandon(
+    state: ServiceState, job: PrefillJob, waiting: asyncio.Future[PrefillResult], held: Held
+) -> None:
+    """The client hung up while its work was queued or running.
+
+    Work no worker has started is dropped. Work that started runs on (stopping a worker costs
+    a restart of seconds, which no client may cause at will) and still holds its queue place,
+    its body's buffer and its bytes until it ends or its deadline stops it: hanging up costs
+    the others no more than waiting for the answer would.
+    """
+    if job.started_at is None:
+        waiting.cancel()
+        return
+    kept = held.hand_over()  # what the work reads, until it ends
+    engine = state.engine
+
+    async def finish() -> None:
+        try:
+            (await waiting).release()
+        except Exception:  # past its deadline, or failed: nobody is waiting for the answer
+            pass
+        finally:
+            await kept.release(engine)
+
+    task = asyncio.ensure_future(finish())
+    state.abandoned.add(task)
+    task.add_done_callback(state.abandoned.discard)
+
+
+def _account(state: ServiceState, record: RequestRecord) -> None:
+    """The request's metrics and its log line."""
+    total = time.perf_counter() - record.t0
+    state.metrics.observe("total", total)
+    state.metrics.count_request(record.route, record.status, record.bytes_in, record.bytes_out)
+    if log.isEnabledFor(logging.INFO):  # no JSON built for a line not logged (~3 us)
+        timings = {}
+        if record.status == 200 and record.info:
+            timings = {
+                "ingest_ms": round(record.ingest_s * 1e3, 3),
+                "queue_ms": round(record.queue_s * 1e3, 3),
+                "compute_ms": round(record.compute_s * 1e3, 3),
+            }
+        log.info(
+            json.dumps(
+                {
+                    "event": record.route,
+                    "request_id": record.request_id,
+                    "status": record.status,
+                    "bytes_in": record.bytes_in,
+                    "bytes_out": record.bytes_out,
+                    "total_ms": round(total * 1e3, 3),
+                    **record.info,
+                    **timings,
+                }
+            )
+        )
