@@ -74,9 +74,6 @@ class TaskTraffic:
     proc: WorkerProcess | None
     heard_at: float
 
-    def _set(self, state: str, proc: WorkerProcess | None = None) -> None:
-        raise NotImplementedError
-
     def _check_silence(self) -> None:
         """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
         slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
@@ -96,9 +93,14 @@ class TaskTraffic:
     def heard(self) -> None:
         """A message came from the worker: it is alive (and no longer stuck)."""
         self.heard_at = time.monotonic()
-        if self.state == "stuck":
+        if self.state != "stuck":  # (a hint read without the lock: most messages pass here)
+            return
+        with self.lock:  # stuck still: a cancel may have stopped it meanwhile
+            again = self.state == "stuck"
+            if again:
+                self.state = "busy"
+        if again:
             log.warning("worker %d is answering again", self.slot.id)
-            self._set("busy")
 
     def _run_on(self, proc: WorkerProcess, task: Task) -> Outcome:
         """How `task` ended on `proc`: its answer, not sent, the process lost, or an answer out
