@@ -193,7 +193,7 @@ class Task:
     spec: TaskSpec
     buffers: list[SharedBuffer]
     cost: int
-    attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
+    attempts: int = 0  # times a worker died under it; changed by the one party running it
     client: Hashable = None
 
 
