@@ -1,9 +1,10 @@
 """A worker's queue takes tasks round-robin between clients: one client's flood delays
-another's task by at most one task per flooding client."""
+another's task by at most one task per flooding client; a worker lost while lent is replaced
+before any task, and the dispatcher stops once the tasks are done."""
 
 from __future__ import annotations
 
-from zen_mla.pool._job import PoolJob, Task, TaskQueue
+from zen_mla.pool._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
 
 
 def _task(client: object, n: int, cost: int = 1) -> Task:
@@ -48,20 +49,22 @@ def test_one_clients_tasks_keep_their_order_and_the_cost_follows():
     assert q.load == 0 and q.qsize() == 0
 
 
-def test_wakeups_come_first_and_a_stop_after_the_tasks():
+def test_a_lost_loan_comes_first_and_a_stop_after_the_tasks():
     q = TaskQueue()
     q.put(_task("a", 1))
-    q.put(None)
-    q.put("died")
+    q.put(StopDispatching())
+    q.put(LostOnLoan())
     q.put(_task("b", 2))
-    assert _drain(q) == ["died", ("a", 1), ("b", 2), None]
+    q.put(LostOnLoan())
+    assert q.qsize() == 5
+    assert _drain(q) == [LostOnLoan(), LostOnLoan(), ("a", 1), ("b", 2), StopDispatching()]
 
 
-def test_take_all_leaves_wakeups_and_stops():
+def test_take_all_leaves_lost_loans_and_stops():
     q = TaskQueue()
     q.put(_task("a", 1))
-    q.put("died")
-    q.put(None)
+    q.put(LostOnLoan())
+    q.put(StopDispatching())
     q.put(_task("b", 2))
     assert [(t.client, t.id) for t in q.take_all()] == [("a", 1), ("b", 2)]
-    assert _drain(q) == ["died", None]
+    assert _drain(q) == [LostOnLoan(), StopDispatching()]

@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from ._dispatch import Dispatcher, Outcome, ProtocolError
+from ._dispatch import Dispatcher
 from ._job import Reply, Task
 from ._messages import Done, ToSupervisor
 from ._process import WorkerProcess
+from ._traffic import Lost, Outcome, worker_lost
 
 __all__ = ["DirectRun"]
 
@@ -70,7 +71,7 @@ class DirectRun:
         try:
             msg: ToSupervisor = self._proc.recv()
         except (EOFError, OSError):
-            self._end("died")
+            self._end(Lost("died"))
             return
         answer = self._dispatcher.answer(self._task, msg)
         if answer is None:
@@ -87,6 +88,5 @@ class DirectRun:
             self._fd = None
         # given back first: a lost task is queued behind the replacement, and a next call
         # finds the worker idle
-        lost = isinstance(outcome, str | ProtocolError)
-        self._dispatcher.give_back(str(outcome) if lost else None)
+        self._dispatcher.give_back(worker_lost(outcome))
         self._dispatcher.settle(self._task, outcome)

@@ -30,14 +30,14 @@ from typing import Any
 
 from ..errors import KernelError
 from ._config import PoolConfig
-from ._job import PoolJob, Task, TaskQueue
+from ._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
 from ._messages import Beat, Forget, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
-from ._traffic import Outcome, ProtocolError, TaskTraffic
+from ._traffic import TaskTraffic, worker_lost
 from .topology import WorkerSlot
 
-__all__ = ["Dispatcher", "Outcome", "ProtocolError"]
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("zen_mla.pool")
 #: the longest an idle worker keeps a freed buffer mapped, in seconds (a region whose client
@@ -52,14 +52,16 @@ class Dispatcher(TaskTraffic):
     `proc`; `lock` guards `owner`, `proc`, `state`, `current`, `lost_why` and `restarts` against
     the other threads (`info()`, `cancel()`, `lend()`, `give_back()`, `stop_dispatching()`,
     `stop()`). The queue locks itself. Only the holder of `owner` sends on or reads the pipe
-    and touches `heard_at`.
+    and sets `heard_at` (the dispatcher thread reads it while the worker is lent, to mark a
+    silent one stuck).
 
     `lost(task, self)` is called with a task the worker died under (or could not be given
     because the pool closed); `stranded(self)` when the worker is being replaced, to move the
     tasks still queued on it (`queue.take_all()`) elsewhere.
 
     While lent (`owner == LOAN`), the borrower alone reads and writes the pipe; `lost_why` says
-    the worker died under it, for the dispatcher thread to replace it.
+    the worker died under it, and a `LostOnLoan` on the queue wakes the dispatcher thread to
+    replace it.
     """
 
     def __init__(
@@ -122,7 +124,7 @@ class Dispatcher(TaskTraffic):
 
     def stop_dispatching(self) -> None:
         """Let the thread finish once the queue is drained; kill a process busy with a task."""
-        self.queue.put(None)
+        self.queue.put(StopDispatching())
         with self.lock:
             if self.current is not None and self.proc is not None:
                 self.proc.kill()
@@ -168,7 +170,7 @@ class Dispatcher(TaskTraffic):
                 self.lost_why = died
             self._given_back.notify_all()
         if died is not None:
-            self.queue.put(died)  # wakes the dispatcher thread to replace the worker
+            self.queue.put(LostOnLoan())  # wakes the dispatcher thread to replace the worker
 
     def info(self) -> dict[str, Any]:
         """As `WorkerPool.workers()` describes."""
@@ -237,23 +239,26 @@ class Dispatcher(TaskTraffic):
     def _dispatch_one(self) -> bool:
         """Run one task from the queue, or check on the idle worker; False: stop dispatching."""
         try:
-            task = self.queue.get(timeout=min(self._config.ping_interval, FORGET_WITHIN))
+            item = self.queue.get(timeout=min(self._config.ping_interval, FORGET_WITHIN))
         except queue.Empty:
             if not self._closed.is_set():
                 self._check_idle()
             return True
-        if task is None:
+        if isinstance(item, StopDispatching):
             return False
-        if isinstance(task, Task) and task.job.done():
+        if isinstance(item, Task) and item.job.done():
             return True  # cancelled or failed while queued
         if not self._hold():  # the pool closed while the worker was lent
-            if isinstance(task, Task):
-                self._lost(task, self)
+            if isinstance(item, Task):
+                self._lost(item, self)
             return True
-        self._while_held(self._run_held, task)
+        if isinstance(item, LostOnLoan):
+            self._while_held(self._replace_if_lost)
+        else:
+            self._while_held(self._run_held, item)
         return True
 
-    def _while_held(self, work: Callable[..., None], *args: Any) -> None:
+    def _while_held(self, work: Callable[..., object], *args: Any) -> None:
         """`work(*args)` while this thread holds the worker, then the hold ends. Should it raise
         (a bug of ours), the pipe may be out of step: the worker is replaced first."""
         try:
@@ -266,12 +271,10 @@ class Dispatcher(TaskTraffic):
         finally:
             self._release()
 
-    def _run_held(self, task: Task | str) -> None:
-        """`task` on the worker this thread holds (a string: the wake-up of a worker lost while
-        lent, replaced here)."""
+    def _run_held(self, task: Task) -> None:
+        """`task` on the worker this thread holds (replaced first, should it have died while
+        lent)."""
         self._replace_if_lost()
-        if isinstance(task, str):
-            return
         if self.proc is None and not self._closed.is_set():
             self._respawn()  # a replacement an error of ours interrupted
         if self.proc is None:  # the pool closed before a replacement started
@@ -284,17 +287,17 @@ class Dispatcher(TaskTraffic):
                 return
             self.current, self.state = task, "busy"  # current left set if _run_on raises
         outcome = self._run_on(self.proc, task)
-        lost = isinstance(outcome, str | ProtocolError)
+        lost = worker_lost(outcome)
         with self.lock:
             self.current = None
-            if not lost:
+            if lost is None:
                 # free for the next call before this one's caller hears of it
                 self.owner = None
                 if self.state == "busy":
                     self.state = "idle"
         self.settle(task, outcome)  # a lost task first, so that it need not wait for the respawn
-        if lost and not self._closed.is_set():
-            self._replace(str(outcome))
+        if lost is not None and not self._closed.is_set():
+            self._replace(lost)
 
     def _hold(self) -> bool:
         """Take the worker for this thread, waiting out a loan (marking the worker stuck should

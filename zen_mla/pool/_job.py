@@ -1,5 +1,6 @@
 """A submitted batch as its caller holds it (`PoolJob`, then `PoolResult`), one worker's share
-of it (`Task`) and the queue of shares waiting for one worker (`TaskQueue`)."""
+of it (`Task`) and the queue of shares waiting for one worker (`TaskQueue`), which also carries
+the dispatcher thread's two other messages (`LostOnLoan`, `StopDispatching`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,17 @@ import torch
 from ._messages import TaskSpec
 from ._shm import BufferCache, SharedBuffer
 
-__all__ = ["OutputPlaces", "PoolJob", "PoolResult", "Reply", "Task", "TaskQueue"]
+__all__ = [
+    "LostOnLoan",
+    "OutputPlaces",
+    "PoolJob",
+    "PoolResult",
+    "Queued",
+    "Reply",
+    "StopDispatching",
+    "Task",
+    "TaskQueue",
+]
 
 T = TypeVar("T")
 
@@ -29,7 +40,7 @@ class PoolResult:
     """out `[Tq, H, Dv]` and lse `[H, Tq]` (or None) as views of shared memory.
 
     `release()` hands the memory back for reuse; the tensors must not be used after it. Without
-    it the memory is simply freed once the tensors are. OutputPlaces written where the caller said
+    it the memory is simply freed once the tensors are. Outputs written where the caller said
     (`OutputPlaces`) stay the caller's: `cache` is None and `release()` does nothing. `replied`: the
     worker wrote the job's `Reply`.
     """
@@ -182,45 +193,61 @@ class Task:
     spec: TaskSpec
     buffers: list[SharedBuffer]
     cost: int
-    attempts: int = 0  # times a worker died under it; changed by one dispatcher at a time
+    attempts: int = 0  # times a worker died under it; changed by the one party running it
     client: Hashable = None
 
 
-class TaskQueue(queue.Queue[Task | str | None]):
+@dataclass(frozen=True)
+class LostOnLoan:
+    """Queued by `Dispatcher.give_back` when the worker died while lent: wakes the dispatcher
+    thread to replace it (why is the dispatcher's `lost_why`). Taken before any task."""
+
+
+@dataclass(frozen=True)
+class StopDispatching:
+    """Queued by `Dispatcher.stop_dispatching`: the dispatcher thread ends. Taken once no task
+    is left."""
+
+
+#: what a worker's queue holds
+Queued = Task | LostOnLoan | StopDispatching
+
+
+class TaskQueue(queue.Queue[Queued]):
     """Tasks waiting for one worker, taken round-robin between their clients: a client's flood
-    delays another client's task by at most one task per flooding client. Also a string (why
-    the worker died while lent: a wake-up to replace it, taken first) and None (stop
-    dispatching, taken once no task is left). `cost` is the tasks' summed, kept under the
-    queue's own `mutex` as tasks come and go."""
+    delays another client's task by at most one task per flooding client; `LostOnLoan` comes
+    out before the tasks, `StopDispatching` after them. `cost` is the tasks' summed, kept under
+    the queue's own `mutex` as tasks come and go."""
 
     def _init(self, maxsize: int) -> None:
         # clients in turn order: the one served goes to the back; a new one joins at the back
         self._tasks: dict[Hashable, deque[Task]] = {}
-        self._wakes: deque[str] = deque()
-        self._stops = 0
+        self._lost = 0  # LostOnLoan messages queued
+        self._stops = 0  # StopDispatching messages queued
         self._count = 0
         self.cost = 0
 
     def _qsize(self) -> int:
-        return self._count + len(self._wakes) + self._stops
+        return self._count + self._lost + self._stops
 
-    def _put(self, item: Task | str | None) -> None:
-        if item is None:
+    def _put(self, item: Queued) -> None:
+        if isinstance(item, StopDispatching):
             self._stops += 1
-        elif isinstance(item, str):
-            self._wakes.append(item)
+        elif isinstance(item, LostOnLoan):
+            self._lost += 1
         else:
             self._tasks.setdefault(item.client, deque()).append(item)
             self._count += 1
             self.cost += item.cost
 
-    def _get(self) -> Task | str | None:
-        if self._wakes:
-            return self._wakes.popleft()
+    def _get(self) -> Queued:
+        if self._lost:
+            self._lost -= 1
+            return LostOnLoan()
         if self._tasks:
             return self._next_task()
         self._stops -= 1
-        return None
+        return StopDispatching()
 
     def _next_task(self) -> Task:
         client = next(iter(self._tasks))
@@ -238,7 +265,7 @@ class TaskQueue(queue.Queue[Task | str | None]):
             return self.cost
 
     def take_all(self) -> list[Task]:
-        """Take the tasks queued, in turn order, leaving wake-ups and stop requests in place."""
+        """Take the tasks queued, in turn order, leaving `LostOnLoan` and `StopDispatching`."""
         with self.mutex:
             moved: list[Task] = []
             while self._tasks:

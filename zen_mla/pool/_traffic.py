@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -22,19 +22,43 @@ from ._process import SendFailedError, WorkerGoneError, WorkerProcess
 from ._shm import WorkerMappings
 from .topology import WorkerSlot
 
-__all__ = ["Outcome", "ProtocolError", "TaskTraffic"]
+__all__ = ["Lost", "NotSent", "OutOfTurn", "Outcome", "TaskTraffic", "worker_lost"]
 
 log = logging.getLogger("zen_mla.pool")
 
 
-class ProtocolError(Exception):
-    """The worker said something out of turn (an answer to a task it was not running): it is
-    replaced, and the task at hand fails."""
+@dataclass(frozen=True)
+class NotSent:
+    """Nothing of the task went out (no memory, no buffer space...): it fails, and the worker,
+    as it was, is kept."""
+
+    why: str
 
 
-#: how a task ended: answered, failed in the worker, not sent, lost with the process (why), or
-#: answered out of turn
-Outcome = Done | Failed | SendFailedError | str | ProtocolError
+@dataclass(frozen=True)
+class Lost:
+    """The process died under the task, or its pipe broke: the task goes back to the pool (to
+    be redone elsewhere) and the worker is replaced."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class OutOfTurn:
+    """The worker said something out of turn (an answer to a task it was not running, say): a
+    protocol error. The task fails (its result is not known) and the worker is replaced."""
+
+    why: str
+
+
+#: how a task ended: answered (`Done`), failed in the worker (`Failed`), not sent, lost with
+#: the process, or answered out of turn
+Outcome = Done | Failed | NotSent | Lost | OutOfTurn
+
+
+def worker_lost(outcome: Outcome) -> str | None:
+    """Why the worker is to be replaced after `outcome`; None: it is kept."""
+    return outcome.why if isinstance(outcome, Lost | OutOfTurn) else None
 
 
 class TaskTraffic:
@@ -49,9 +73,6 @@ class TaskTraffic:
     state: str
     proc: WorkerProcess | None
     heard_at: float
-
-    def _set(self, state: str, proc: WorkerProcess | None = None) -> None:
-        raise NotImplementedError
 
     def _check_silence(self) -> None:
         """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
@@ -72,13 +93,18 @@ class TaskTraffic:
     def heard(self) -> None:
         """A message came from the worker: it is alive (and no longer stuck)."""
         self.heard_at = time.monotonic()
-        if self.state == "stuck":
+        if self.state != "stuck":  # (a hint read without the lock: most messages pass here)
+            return
+        with self.lock:  # stuck still: a cancel may have stopped it meanwhile
+            again = self.state == "stuck"
+            if again:
+                self.state = "busy"
+        if again:
             log.warning("worker %d is answering again", self.slot.id)
-            self._set("busy")
 
     def _run_on(self, proc: WorkerProcess, task: Task) -> Outcome:
-        """The worker's answer to `task`, SendFailedError if it could not be sent, or why the
-        process is lost (a string, or a ProtocolError: it answered out of turn)."""
+        """How `task` ended on `proc`: its answer, not sent, the process lost, or an answer out
+        of turn."""
         sent = self.send(proc, task)
         if sent is not None:
             return sent
@@ -88,20 +114,20 @@ class TaskTraffic:
                 try:
                     msg: ToSupervisor = proc.recv()
                 except (EOFError, OSError):
-                    return "died"
+                    return Lost("died")
                 answer = self.answer(task, msg)
                 if answer is not None:
                     return answer
             elif proc.sentinel in ready:
-                return f"died (exit code {proc.exitcode})"
+                return Lost(f"died (exit code {proc.exitcode})")
             else:
                 self._check_silence()
 
     def send(
         self, proc: WorkerProcess, task: Task, reply: Reply | None = None
-    ) -> SendFailedError | str | None:
-        """Send `task` (and the `reply` its worker is to write) to `proc`: None once sent,
-        SendFailedError if nothing went out, or why the process is lost."""
+    ) -> NotSent | Lost | None:
+        """Send `task` (and the `reply` its worker is to write) to `proc`: None once sent, else
+        how the task ended (nothing went out, or the process is lost)."""
         if task.job.started_at is None:
             task.job.started_at = time.perf_counter()
         forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
@@ -115,15 +141,15 @@ class TaskTraffic:
             proc.send(RunTask(task.id, spec), [b.fd for b in fresh] + ([reply.fd] if reply else []))
         except SendFailedError as exc:
             log.warning("worker %d: could not send a task: %s", self.slot.id, exc)
-            return exc
+            return NotSent(str(exc))
         except WorkerGoneError as exc:
-            return f"lost its pipe ({exc})"
+            return Lost(f"lost its pipe ({exc})")
         self._mappings.sent(self.slot.id, forget, [b.id for b in fresh])
         return None
 
-    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | ProtocolError | None:
-        """A message from the worker busy with `task`: its answer, None (a heartbeat), or a
-        ProtocolError (anything else: an answer to another task never settles this one)."""
+    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | OutOfTurn | None:
+        """A message from the worker busy with `task`: its answer, None (a heartbeat), or
+        OutOfTurn (anything else: an answer to another task never settles this one)."""
         self.heard()
         if isinstance(msg, Beat):
             return None
@@ -131,24 +157,25 @@ class TaskTraffic:
             if isinstance(msg, Failed):  # the worker unmapped the task's buffers
                 self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
             return msg
-        return ProtocolError(f"sent {msg!r} while running task {task.id} (a protocol error)")
+        return OutOfTurn(f"sent {msg!r} while running task {task.id} (a protocol error)")
 
     def settle(self, task: Task, outcome: Outcome) -> None:
         """Hand `outcome` of `task` to its job: done, failed, or lost with the process."""
-        if isinstance(outcome, ProtocolError):  # out of step: the task's result is not known
-            task.job._fail(KernelError(f"worker {self.slot.id} {outcome}"))
-        elif isinstance(outcome, str):  # the process died under the task, or the pipe broke
-            self._lost(task, self)
-        elif isinstance(outcome, SendFailedError):
+        if isinstance(outcome, Done):
+            task.job._piece_done()
+        elif isinstance(outcome, Failed):
+            task.job._fail(self._raised(outcome))
+        elif isinstance(outcome, NotSent):
             task.job._fail(
                 ServiceUnavailableError(
-                    f"could not hand work to worker {self.slot.id}: {outcome}", retry_after=1.0
+                    f"could not hand work to worker {self.slot.id}: {outcome.why}",
+                    retry_after=1.0,
                 )
             )
-        elif isinstance(outcome, Done):
-            task.job._piece_done()
-        else:
-            task.job._fail(self._raised(outcome))
+        elif isinstance(outcome, Lost):
+            self._lost(task, self)
+        else:  # out of step: the task's result is not known
+            task.job._fail(KernelError(f"worker {self.slot.id} {outcome.why}"))
 
     def _raised(self, failed: Failed) -> ZenMLAError:
         """The worker's exception as the class it was raised as, where it is one of ours;
