@@ -1,18 +1,27 @@
 """Kernel selection (zen_mla.attention.select): what this host offers, what its probes reject,
-and the kernel name a caller asks for, refused with a named error when unknown or absent."""
+each kernel's own word on whether it runs here, "auto" as the first that suits it, and the
+kernel name a caller asks for, refused with a named error when unknown or absent."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import importlib.util
 
 import pytest
 import torch
 
 import zen_mla
+from tests.attention.this_host import cpu_is_zen, zentorch_runs
+from tests.reference import attention_fp64
 from zen_mla import InvalidInputError, KernelUnavailableError
 from zen_mla.attention import select
+from zen_mla.attention.kernels import KERNELS, KernelCall, ZentorchKernel
 from zen_mla.attention.kernels.zentorch import zentorch_op
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+#: whether each registered kernel runs on this host, found without zen_mla's probes
+RUNS_HERE = {"zentorch": zentorch_runs, "torch": lambda: True, "reference": lambda: True}
 
 
 def _small():
@@ -40,13 +49,6 @@ def test_status_has_the_contract_fields():
     assert status["ops"]["zentorch_sdpa_lse"] <= status["ops"]["zentorch_sdpa"]
 
 
-def test_cpu_facts_match_proc_cpuinfo():
-    text = Path("/proc/cpuinfo").read_text()
-    facts = select.cpu_facts()
-    assert f"vendor_id\t: {facts.vendor}" in text
-    assert facts.avx512_bf16 == (" avx512_bf16" in text)
-
-
 @pytest.mark.zentorch
 def test_probe_rejects_an_op_that_gives_wrong_numbers():
     def broken(q, k, v, *args, **kwargs):
@@ -72,19 +74,109 @@ def test_an_unknown_kernel_is_named():
 
 def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
     absent = dataclasses.replace(
-        select.host_status(),
-        installed=False,
-        version=None,
-        sdpa_ok=False,
-        sdpa_lse_ok=False,
-        auto_kernel="torch",
-        reason="zentorch is not installed",
-        lse_kernel="torch",
-        lse_reason="zentorch is not installed",
+        select.host_facts(),
+        zentorch_installed=False,
+        zentorch_version=None,
+        zentorch_failure="zentorch is not installed",
+        zentorch_lse_failure="zentorch is not installed",
     )
-    monkeypatch.setattr(select, "host_status", lambda: absent)
+    monkeypatch.setattr(select, "host_facts", lambda: absent)
     assert zen_mla.zentorch_status()["auto_kernel"] == "torch"
+    assert zen_mla.zentorch_status()["reason"] == "zentorch is not installed"
     with pytest.raises(KernelUnavailableError, match="zentorch is not installed") as info:
         zen_mla.ragged_attention(**_small(), kernel="zentorch")
     assert isinstance(info.value, ValueError) and info.value.name == "kernel"
     assert zen_mla.ragged_attention(**_small(), kernel="auto").shape == (10, 2, 8)
+
+
+def _lse_close_to_fp64(kernel) -> bool:
+    """The kernel's LSE on one causal MLA-shaped case is within 1e-3 of fp64."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 33, 192, generator=gen).bfloat16() for _ in range(3))
+    _, lse = kernel.forward(KernelCall(q, k, v, 192**-0.5, True, None, return_lse=True))
+    ragged = [t[0].transpose(0, 1) for t in (q, k, v)]  # [1, H, S, D] -> [S, H, D]
+    _, want = attention_fp64(*ragged, [0, 33], [0, 33], causal=True, scale=192**-0.5)
+    return bool((lse[0].double() - want).abs().max() < 1e-3)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_each_kernel_says_whether_it_runs_here(name):
+    """Each kernel's reasons agree with this host's facts, found without zen_mla's probes."""
+    assert set(RUNS_HERE) == set(KERNELS), "a new kernel needs its fact here"
+    kernel, host = KERNELS[name], select.host_facts()
+    reason = kernel.unavailable_reason(host)
+    if not RUNS_HERE[name]():
+        assert isinstance(reason, str) and reason, f"{name} does not run here, yet gives no reason"
+        return
+    assert reason is None
+    unsuited = kernel.auto_unsuited_reason(host)
+    if kernel is ZentorchKernel and not cpu_is_zen():
+        assert unsuited is not None and host.cpu.vendor in unsuited
+    else:
+        assert unsuited is None
+    lse_reason = kernel.lse_unavailable_reason(host)
+    if lse_reason is None:
+        assert _lse_close_to_fp64(kernel), f"{name} says its LSE is trusted, yet it is off"
+    else:
+        assert kernel is ZentorchKernel and lse_reason == host.zentorch_lse_failure
+
+
+def test_zentorch_not_installed_is_the_reason_where_it_is_absent():
+    if importlib.util.find_spec("zentorch") is not None:
+        pytest.skip("zentorch is installed here")
+    assert "not installed" in (ZentorchKernel.unavailable_reason(select.host_facts()) or "")
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_auto_takes_the_first_kernel_in_order_that_suits_it(dtype, return_lse):
+    host = select.host_facts()
+    first = next(
+        kernel
+        for kernel in KERNELS.values()
+        if kernel.unavailable_reason(host) is None
+        and dtype in kernel.dtypes
+        and kernel.auto_unsuited_reason(host) is None
+        and (not return_lse or kernel.lse_unavailable_reason(host) is None)
+    )
+    choice = zen_mla.kernel_choice("auto", dtype, return_lse=return_lse)
+    assert choice == zen_mla.KernelChoice(first.name, first.name if return_lse else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_auto_follows_the_host_facts(dtype):
+    """zentorch on a Zen CPU where its op works, for the dtypes it computes at their own
+    precision (not fp16); torch's flash kernel anywhere else."""
+    on_zentorch = zentorch_runs() and cpu_is_zen() and dtype != torch.float16
+    want = "zentorch" if on_zentorch else "torch"
+    assert zen_mla.kernel_choice("auto", dtype).out == want
+    if dtype == torch.bfloat16:
+        status = zen_mla.zentorch_status()
+        assert status["auto_kernel"] == want
+        assert status["reason"] == (
+            ZentorchKernel.auto_reason
+            if on_zentorch
+            else ZentorchKernel.unavailable_reason(select.host_facts())
+            or ZentorchKernel.auto_unsuited_reason(select.host_facts())
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_forced_kernel_runs_or_says_its_own_reason(name, dtype):
+    kernel, host = KERNELS[name], select.host_facts()
+    reason = kernel.unavailable_reason(host)
+    declines_dtype = dtype not in kernel.dtypes
+    if reason is None and not declines_dtype:
+        assert zen_mla.kernel_choice(name, dtype).out == name
+        return
+    q = torch.randn(6, 2, 16).to(dtype)
+    v = torch.randn(6, 2, 8).to(dtype)
+    cu = torch.tensor([0, 2, 6])
+    with pytest.raises(KernelUnavailableError) as info:
+        zen_mla.ragged_attention(q, q, v, cu, kernel=name)
+    assert info.value.name == "kernel" and info.value.got == repr(name)
+    if reason is not None:
+        assert f"{name!r} cannot: {reason}" in str(info.value)
+    else:
+        assert f"{name!r} cannot: it computes {dtype} at lower precision" in str(info.value)

@@ -79,8 +79,8 @@ def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
 
 def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch):
     monkeypatch.setattr(select, "probe_lse", lambda: "the LSE was off by 3")
-    probed = select.probe_host()
-    monkeypatch.setattr(select, "host_status", lambda: probed)
+    probed = select.probe_host_facts()
+    monkeypatch.setattr(select, "host_facts", lambda: probed)
     status = zen_mla.zentorch_status()
     assert not status["ops"]["zentorch_sdpa_lse"]
     assert status["lse_kernel"] == "torch"

@@ -2,6 +2,7 @@
 
 batch.py    the varlen batch and its rules (RaggedBatch, validate)
 driver.py   a validated batch through one kernel (attend)
+host.py     this host's facts, as the kernels judge whether they can run (CpuFacts, HostFacts)
 select.py   what this host offers and which kernel runs (probes, "auto", KernelChoice)
 kernels/    one file per kernel
 merge.py    merging attention over parts of the keys by their LSE (vLLM's merge_attn_states)

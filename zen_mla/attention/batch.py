@@ -111,12 +111,6 @@ class RaggedBatch:
     def num_requests(self) -> int:
         return len(self.q_cu_seq_lens) - 1
 
-    def seq_lens(self) -> Iterator[tuple[int, int]]:
-        """`(Sq, Sk)` per request."""
-        qc, kc = self.q_cu_seq_lens, self.kv_cu_seq_lens
-        for r in range(self.num_requests):
-            yield qc[r + 1] - qc[r], kc[r + 1] - kc[r]
-
     def runs(self) -> Iterator[Run]:
         """Requests grouped into maximal runs of equal `(Sq, Sk)`, in order."""
         qc, kc = self.q_cu_seq_lens, self.kv_cu_seq_lens

@@ -1,7 +1,8 @@
-"""Which kernel runs, decided once per process: what this host offers (zentorch's presence and
-health, probed at start-up against fp32 / fp64 references, and the CPU facts), what "auto"
-resolves to, and the kernels a request naming one gets. The kernels know nothing of this
-module; like vLLM's `selector.py`, selection stands apart from what it selects.
+"""Which kernel runs: what this host offers (zentorch's presence and health, probed once per
+process against fp32 / fp64 references, and the CPU facts), what "auto" resolves to, and the
+kernels a request naming one gets. Each kernel judges the probed facts itself
+(`AttentionKernel.unavailable_reason` and its kin); like vLLM's `selector.py`, selection stands
+apart from what it selects, and walks the registered kernels in their order of preference.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import functools
 import importlib.metadata
 import itertools
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,18 +18,18 @@ import torch
 from ..errors import InvalidInputError, KernelUnavailableError
 from .batch import validate
 from .driver import attend
-from .kernels import KERNELS, AttentionKernel, TorchFlashKernel, ZentorchKernel
+from .host import CpuFacts, HostFacts, cpu_facts
+from .kernels import KERNELS, AttentionKernel, ZentorchKernel
 from .kernels.zentorch import zentorch_op
 
 __all__ = [
     "KERNEL_NAMES",
-    "CpuFacts",
     "HostStatus",
     "KernelChoice",
-    "cpu_facts",
+    "host_facts",
     "host_status",
     "kernel_choice",
-    "probe_host",
+    "probe_host_facts",
     "probe_lse",
     "probe_op",
     "select_kernel",
@@ -37,50 +37,6 @@ __all__ = [
 ]
 
 KERNEL_NAMES = ("auto", *KERNELS)
-_CPUINFO = Path("/proc/cpuinfo")
-
-
-@dataclass(frozen=True, slots=True)
-class CpuFacts:
-    """Vendor, model and the ISA features the kernels care about."""
-
-    vendor: str
-    model: str
-    family: int
-    zen: bool  # AMD family 0x17 (Zen 1/2), 0x19 (Zen 3/4) or 0x1A (Zen 5)
-    avx512f: bool
-    avx512_bf16: bool
-    amx_bf16: bool
-
-
-@functools.cache
-def cpu_facts() -> CpuFacts:
-    """This host's CPU, read from /proc/cpuinfo (the first CPU's block: the host is
-    homogeneous)."""
-    fields: dict[str, str] = {}
-    try:
-        text = _CPUINFO.read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            if fields:
-                break
-            continue
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    vendor = fields.get("vendor_id", "unknown")
-    family = int(fields.get("cpu family", "0") or 0)
-    return CpuFacts(
-        vendor=vendor,
-        model=fields.get("model name", "unknown"),
-        family=family,
-        zen=vendor == "AuthenticAMD" and family >= 0x17,
-        avx512f="avx512f" in flags,
-        avx512_bf16="avx512_bf16" in flags,
-        amx_bf16="amx_bf16" in flags,
-    )
 
 
 def probe_op(op: Any) -> str:
@@ -181,16 +137,65 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) if want.numel() else 0.0
 
 
+def probe_host_facts() -> HostFacts:
+    """What this host offers, probed now (~20 ms); `host_facts()` keeps the first answer."""
+    installed, version, op_ok, failure = _zentorch_probe()
+    return HostFacts(
+        cpu=cpu_facts(),
+        zentorch_installed=installed,
+        zentorch_version=version,
+        zentorch_failure=failure,
+        zentorch_lse_failure=probe_lse() if op_ok else failure,
+    )
+
+
+@functools.cache
+def host_facts() -> HostFacts:
+    """What this host offers, probed once per process."""
+    return probe_host_facts()
+
+
+def _cannot_run(kernel: type[AttentionKernel], host: HostFacts, dtype: torch.dtype) -> str | None:
+    """Why `kernel` cannot compute `dtype` inputs on `host`, or None where it can."""
+    reason = kernel.unavailable_reason(host)
+    if reason is None and dtype not in kernel.dtypes:
+        takes = ", ".join(str(d) for d in kernel.dtypes)
+        reason = f"it computes {dtype} at lower precision (it takes {takes})"
+    return reason
+
+
+def _auto(
+    host: HostFacts, dtype: torch.dtype, *, lse: bool
+) -> tuple[type[AttentionKernel], list[str]]:
+    """The first registered kernel that runs on `host` for `dtype`, suits "auto" and, with
+    `lse`, gives a trusted LSE; and why each kernel before it was passed over."""
+    passed_over: list[str] = []
+    for kernel in KERNELS.values():
+        reason = (
+            _cannot_run(kernel, host, dtype)
+            or kernel.auto_unsuited_reason(host)
+            or (kernel.lse_unavailable_reason(host) if lse else None)
+        )
+        if reason is None:
+            return kernel, passed_over
+        passed_over.append(reason)
+    raise KernelUnavailableError(
+        "kernel", f"a kernel that runs here (none does: {'; '.join(passed_over)})", "'auto'"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class HostStatus:
     """zentorch on this host, probed once, and what "auto" resolves to.
 
     `sdpa_ok`: the op exists *and* ran correctly here; `sdpa_lse_ok`: besides, its LSE route
     passed the start-up probe (every driver path against fp64). `auto_kernel` is what
-    `kernel="auto"` resolves to: zentorch where the op works and the CPU is a Zen part (the
-    kernel is AMD's, tuned for Zen; vLLM gates it the same way), else torch. `lse_kernel` is
-    what computes out and lse for `kernel="auto", return_lse=True` on bf16: zentorch where it is
-    `auto_kernel` and its LSE passed the probe, else torch's flash kernel. The reasons say why.
+    `kernel="auto"` resolves to for bf16: the first registered kernel that runs here and suits
+    "auto" (zentorch where the op works and the CPU is a Zen part, else torch). `lse_kernel` is
+    what computes out and lse for `kernel="auto", return_lse=True` on bf16: the first of those
+    whose LSE is trusted here (zentorch where besides its LSE passed the probe, else torch's
+    flash kernel). The reasons say why: the chosen kernel's own, or why the kernels before it
+    were passed over.
     """
 
     installed: bool
@@ -217,41 +222,23 @@ class HostStatus:
         }
 
 
-def probe_host() -> HostStatus:
-    """What this host offers, probed now (~20 ms); `host_status()` keeps the first answer."""
-    installed, version, op_ok, failure = _zentorch_probe()
-    cpu = cpu_facts()
-    if op_ok and cpu.zen:
-        auto, reason = "zentorch", "zentorch_sdpa works and the CPU is AMD Zen"
-    elif op_ok:
-        auto, reason = "torch", f"zentorch_sdpa works, but the CPU is {cpu.vendor}, not Zen"
-    else:
-        auto, reason = "torch", failure
-    lse_failure = probe_lse() if op_ok else failure
-    if auto == "zentorch" and not lse_failure:
-        lse_kernel = "zentorch"
-        lse_reason = "zentorch_sdpa's LSE route passed the start-up probe against fp64"
-    elif auto == "zentorch":
-        lse_kernel, lse_reason = "torch", lse_failure
-    else:
-        lse_kernel, lse_reason = "torch", reason
-    return HostStatus(
-        installed=installed,
-        version=version,
-        sdpa_ok=op_ok,
-        sdpa_lse_ok=op_ok and not lse_failure,
-        cpu=cpu,
-        auto_kernel=auto,
-        reason=reason,
-        lse_kernel=lse_kernel,
-        lse_reason=lse_reason,
-    )
-
-
-@functools.cache
 def host_status() -> HostStatus:
-    """What this host offers, probed once per process."""
-    return probe_host()
+    """What this host offers, probed once per process (`host_facts()`), and what "auto" makes
+    of it."""
+    host = host_facts()
+    auto, auto_passed_over = _auto(host, torch.bfloat16, lse=False)
+    lse_kernel, lse_passed_over = _auto(host, torch.bfloat16, lse=True)
+    return HostStatus(
+        installed=host.zentorch_installed,
+        version=host.zentorch_version,
+        sdpa_ok=not host.zentorch_failure,
+        sdpa_lse_ok=not host.zentorch_failure and not host.zentorch_lse_failure,
+        cpu=host.cpu,
+        auto_kernel=auto.name,
+        reason="; ".join(auto_passed_over) or auto.auto_reason,
+        lse_kernel=lse_kernel.name,
+        lse_reason="; ".join(lse_passed_over) or lse_kernel.lse_reason,
+    )
 
 
 def zentorch_status() -> dict[str, Any]:
@@ -261,48 +248,32 @@ def zentorch_status() -> dict[str, Any]:
     return host_status().as_dict()
 
 
-def _unavailable_reason(kernel: type[AttentionKernel]) -> str:
-    """'' where `kernel` can run on this host, else why not."""
-    if kernel is ZentorchKernel:
-        status = host_status()
-        return "" if status.sdpa_ok else status.reason
-    return ""
-
-
-def _lse_unavailable_reason(kernel: type[AttentionKernel]) -> str:
-    """'' where `kernel` gives an fp32-accurate LSE (within 1e-3 of fp64) here, else why not."""
-    if kernel is ZentorchKernel:
-        status = host_status()
-        return "" if status.sdpa_lse_ok else status.lse_reason
-    return ""
-
-
 def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[AttentionKernel]:
     """The kernel that computes `out` (and `lse`) for a request naming `kernel`.
 
-    "auto" follows `host_status().auto_kernel`, falling back to torch for a dtype the chosen
-    kernel would compute at lower precision. With `return_lse`, a kernel whose LSE is not
-    fp32-accurate here (zentorch where its probe failed) hands the whole request (out and lse
-    from one softmax, so they merge consistently) to torch's flash kernel.
+    "auto" takes the first registered kernel that runs here, suits "auto" and computes `dtype`
+    at its own precision (with `return_lse`, also gives a trusted LSE). A named kernel that
+    cannot run raises KernelUnavailableError with its reason. With `return_lse`, a named kernel
+    whose LSE is not trusted here (zentorch where its probe failed) hands the whole request
+    (out and lse from one softmax, so they merge consistently) to the kernel "auto" would take
+    for an LSE: torch's flash kernel.
     """
     if kernel not in KERNEL_NAMES:
         raise InvalidInputError("kernel", f"one of {', '.join(KERNEL_NAMES)}", repr(kernel))
-    name = host_status().auto_kernel if kernel == "auto" else kernel
-    chosen = KERNELS[name]
-    if kernel == "auto" and dtype not in chosen.dtypes:
-        chosen = TorchFlashKernel
-    reason = _unavailable_reason(chosen)
-    if not reason and dtype not in chosen.dtypes:
-        reason = f"it computes {dtype} at lower precision"
-    if reason:
+    host = host_facts()
+    if kernel == "auto":
+        return _auto(host, dtype, lse=return_lse)[0]
+    chosen = KERNELS[kernel]
+    reason = _cannot_run(chosen, host, dtype)
+    if reason is not None:
         raise KernelUnavailableError(
             "kernel",
             f"a kernel that runs here ({kernel!r} cannot: {reason})",
             repr(kernel),
             'Use kernel="auto" to take the best available one',
         )
-    if return_lse and _lse_unavailable_reason(chosen):
-        return TorchFlashKernel
+    if return_lse and chosen.lse_unavailable_reason(host) is not None:
+        return _auto(host, dtype, lse=True)[0]
     return chosen
 
 

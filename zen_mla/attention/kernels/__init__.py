@@ -16,6 +16,8 @@ __all__ = [
     "ZentorchKernel",
 ]
 
+#: the registered kernels by name, in order of preference: "auto" takes the first that runs
+#: here, suits "auto" and computes the request's dtype at its own precision
 KERNELS: dict[str, type[AttentionKernel]] = {
     k.name: k for k in (ZentorchKernel, TorchFlashKernel, ReferenceKernel)
 }

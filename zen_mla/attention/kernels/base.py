@@ -7,6 +7,8 @@ from typing import ClassVar
 
 import torch
 
+from ..host import HostFacts
+
 __all__ = ["AttentionKernel", "KernelCall"]
 
 
@@ -33,9 +35,10 @@ class KernelCall:
 class AttentionKernel:
     """One dense attention kernel over a batch of equal-length requests.
 
-    Capabilities are class-level; whether a kernel can run on this host (and give an LSE) is
-    the selector's business (`attention.select`), decided once per process, so the driver
-    never re-checks per call.
+    Capabilities are class-level. Each kernel says from the host's facts, probed once per
+    process, whether it can run here, whether "auto" may take it, and whether its LSE is
+    trusted, each as None or the reason why not; the selector (`attention.select`) asks, so
+    the driver never re-checks per call. The defaults fit a kernel that runs on every CPU.
     """
 
     name: ClassVar[str]
@@ -43,6 +46,27 @@ class AttentionKernel:
     needs_equal_head_dims: ClassVar[bool]
     #: input dtypes computed at their own precision
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+    #: why "auto" takes this kernel where it is the first registered one that suits it
+    auto_reason: ClassVar[str] = "the first kernel in order of preference that runs here"
+    #: why the LSE comes from this kernel where it does
+    lse_reason: ClassVar[str] = "its LSE is fp32-accurate on every CPU"
+
+    @classmethod
+    def unavailable_reason(cls, host: HostFacts) -> str | None:
+        """Why this kernel cannot run on `host`, or None where it computes correctly there."""
+        return None
+
+    @classmethod
+    def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
+        """Why "auto" passes this kernel over on `host`, where it runs, or None where "auto"
+        may take it."""
+        return None
+
+    @classmethod
+    def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
+        """Why this kernel's LSE is not trusted on `host`, where it runs, or None where it is
+        fp32-accurate (within 1e-3 of fp64) there."""
+        return None
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

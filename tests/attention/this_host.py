@@ -1,0 +1,36 @@
+"""This host's facts as the tests see them, found without zen_mla's probes: the expectations of
+the kernels' reasons and of "auto" are derived from these, so the suite holds on any host."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def cpu_is_zen() -> bool:
+    """The first CPU in /proc/cpuinfo is AMD family 0x17 (Zen 1) or later."""
+    text = Path("/proc/cpuinfo").read_text()
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.MULTILINE)
+    return bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) >= 0x17)
+
+
+def zentorch_runs() -> bool:
+    """zentorch imports and its zentorch_sdpa agrees with torch's fp32 SDPA on a causal case."""
+    try:
+        importlib.import_module("zentorch")
+        op = torch.ops.zentorch.zentorch_sdpa
+    except Exception:  # absent, a wheel for another torch, or no such op
+        return False
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 24, 64, generator=gen).bfloat16() for _ in range(3))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    try:
+        got, _ = op(q, k, v, 0.0, True, scale=64**-0.5)
+    except Exception:
+        return False
+    return bool((got.float() - want).abs().max() < 0.05)
