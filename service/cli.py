@@ -16,18 +16,91 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
+import types
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+
+from .settings import Settings
+
+#: the plain types a flag takes, and how a choice between kinds names them (`auto|N`)
+_PLAIN: dict[Any, str] = {int: "N", float: "X", str: "TEXT"}
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _kinds(annotation: Any) -> list[Any]:
+    """The types a field takes, None left out: `int | None` -> [int]."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [a for a in get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def is_secret(field: FieldInfo) -> bool:
+    """A secret is set through the environment only: a command line is visible to every user
+    of the host (ps, /proc/PID/cmdline)."""
+    return SecretStr in _kinds(field.annotation)
+
+
+def _help(field: FieldInfo) -> str:
+    text = (field.description or "").replace("%", "%%")  # argparse %-formats help
+    if isinstance(field.default, bool):
+        text += f" (default: {'on' if field.default else 'off'})"
+    elif field.default is not None:
+        text += f" (default: {field.default})"
+    return text.strip()
+
+
+def _argument(name: str, field: FieldInfo) -> dict[str, Any]:
+    """add_argument's keywords for a Settings field, from its annotation and description. The
+    flag's default is None whatever the field's: an unset flag leaves the field to Settings."""
+    keywords: dict[str, Any] = {"dest": name, "default": None, "help": _help(field)}
+    kinds = _kinds(field.annotation)
+    if kinds == [bool]:
+        return keywords | {"action": argparse.BooleanOptionalAction}
+    literals = [v for k in kinds if get_origin(k) is Literal for v in get_args(k)]
+    plain = [k for k in kinds if k in _PLAIN]
+    if len(plain) + sum(get_origin(k) is Literal for k in kinds) != len(kinds):
+        raise TypeError(
+            f"Settings.{name}: no flag is made for a field of type {field.annotation!r}; "
+            "expected bool, int, float, str, a Literal, a union of those, or a SecretStr "
+            "(environment only). Teach service/cli.py the type, or change the field's"
+        )
+    if not literals and len(plain) == 1:
+        return keywords | {"type": plain[0]}
+    if not plain:
+        return keywords | {"choices": literals}
+    # a choice between kinds (`auto` or a number): the text goes as given, Settings decides
+    return keywords | {"metavar": "|".join([*map(str, literals), *(_PLAIN[k] for k in plain)])}
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag for each Settings field but secrets: `max_queue` -> `--max-queue`. An unset flag
+    stays None, so the environment's value or the field's default stands."""
+    for name, field in Settings.model_fields.items():
+        if not is_secret(field):
+            parser.add_argument(_flag(name), **_argument(name, field))
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by the flags given (ValidationError if bad)."""
+    given = {
+        name: value
+        for name, value in vars(args).items()
+        if name in Settings.model_fields and value is not None
+    }
+    return Settings(**given)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from .settings import Settings
-
-    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     try:
-        settings = Settings(**given)
+        settings = settings_from_args(args)
     except ValidationError as exc:
         print(f"zen-mla serve: {exc}", file=sys.stderr)
         return 2
@@ -94,51 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the HTTP service")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
-    serve.add_argument("--uds", help="serve on this Unix socket instead")
-    serve.add_argument("--workers", help="'auto' (one per CCX, the default) or a number")
-    serve.add_argument("--smt", action="store_const", const=True, help="use SMT siblings too")
-    serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
-    serve.add_argument("--max-queue", dest="max_queue", type=int)
-    serve.add_argument("--deadline-s", dest="deadline_s", type=float)
-    serve.add_argument("--max-work", dest="max_work", type=int)
-    serve.add_argument("--max-seqs", dest="max_seqs", type=int)
-    serve.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float)
-    serve.add_argument("--max-uploads", dest="max_uploads", type=int)
-    serve.add_argument("--max-inflight-bytes", dest="max_inflight_bytes", type=int)
-    serve.add_argument("--min-body-rate", dest="min_body_rate", type=float)
-    serve.add_argument("--body-grace-s", dest="body_grace_s", type=float)
-    serve.add_argument("--max-header-bytes", dest="max_header_bytes", type=int)
-    serve.add_argument("--header-timeout-s", dest="header_timeout_s", type=float)
-    serve.add_argument("--max-connections", dest="max_connections", type=int)
-    serve.add_argument("--fd-reserve", dest="fd_reserve", type=int)
-    serve.add_argument("--linger-s", dest="linger_s", type=float)
-    serve.add_argument("--linger-bytes", dest="linger_bytes", type=int)
-    serve.add_argument(
-        "--shared-memory",
-        dest="shared_memory",
-        action=argparse.BooleanOptionalAction,
-        help="offer same-host regions on a Unix socket (default: on)",
+    secrets = [
+        textwrap.fill(
+            f"ZEN_MLA_{name.upper()}: {field.description}",
+            initial_indent="  ",
+            subsequent_indent="    ",
+        )
+        for name, field in Settings.model_fields.items()
+        if is_secret(field)
+    ]
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP service",
+        description="Every flag is also the environment variable ZEN_MLA_<FLAG> (--max-queue:\n"
+        "ZEN_MLA_MAX_QUEUE); a flag wins over it, and either over the default shown.",
+        epilog="\n".join(
+            ["environment only (a command line is visible to every user of the host):", *secrets]
+        )
+        if secrets
+        else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("--shm-socket", dest="shm_socket", help="the regions' socket path")
-    serve.add_argument("--shm-max-regions", dest="shm_max_regions", type=int)
-    serve.add_argument("--shm-max-bytes", dest="shm_max_bytes", type=int)
-    serve.add_argument("--shm-max-total-bytes", dest="shm_max_total_bytes", type=int)
-    serve.add_argument("--shm-max-clients", dest="shm_max_clients", type=int)
-    serve.add_argument("--shm-max-waiting", dest="shm_max_waiting", type=int)
-    serve.add_argument(
-        "--system-shm",
-        dest="system_shm",
-        action=argparse.BooleanOptionalAction,
-        help="offer the v2 system shared memory extension (default: off)",
-    )
-    serve.add_argument("--system-shm-max-regions", dest="system_shm_max_regions", type=int)
-    serve.add_argument("--system-shm-max-bytes", dest="system_shm_max_bytes", type=int)
-    serve.add_argument("--max-json-bytes", dest="max_json_bytes", type=int)
-    serve.add_argument("--http", choices=["httptools", "h11"])
-    serve.add_argument("--log-level", dest="log_level")
+    add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
     health = commands.add_parser("health", help="check a running service's /health")

@@ -10,14 +10,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Every field is also the environment variable `ZEN_MLA_<FIELD>` (upper case)."""
+    """Every field is also the environment variable `ZEN_MLA_<FIELD>` (upper case) and, secrets
+    apart, the flag `zen-mla serve --<field>` (`_` as `-`), which service/cli.py makes from the
+    field's type and description (its help)."""
 
     model_config = SettingsConfigDict(env_prefix="ZEN_MLA_", frozen=True, extra="forbid")
 
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 only on purpose")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
     uds: str | None = Field(None, description="serve on this Unix socket instead of TCP")
-    workers: int | Literal["auto"] = Field("auto", description="'auto': one per CCX")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="'auto' (one worker per CCX) or a number of workers"
+    )
     smt: bool = Field(False, description="also run threads on SMT siblings")
     api_token: SecretStr | None = Field(
         None,
@@ -94,7 +98,7 @@ class Settings(BaseSettings):
     system_shm: bool = Field(
         False,
         description="the Open Inference Protocol's system shared memory: clients name /dev/shm "
-        "objects of this service's user for it to read and write; off unless set",
+        "objects of this service's user for it to read and write",
     )
     system_shm_max_regions: int = Field(
         64, ge=1, description="system shared memory regions registered at once"
@@ -115,8 +119,10 @@ class Settings(BaseSettings):
         ge=1024,
         description="the JSON part of a /v2 infer request (its inference header); 413 above",
     )
-    http: Literal["httptools", "h11"] = "httptools"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    http: Literal["httptools", "h11"] = Field("httptools", description="uvicorn's HTTP parser")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the service's log level"
+    )
 
     @field_validator("api_token")
     @classmethod
