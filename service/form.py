@@ -1,9 +1,10 @@
 """A request form: what a way in supplies to the one pipeline (`pipeline.serve`), and nothing
-more. A form says how its request is read into tensors (or places) and options (`read`), where
-the outputs go (`places`), a reply a worker may write itself (`reply`), how its answer is
-written (`answer`) and how its errors are (`refuse`). Admission, the body reader, validation,
-the queue, the deadline, the hang-up rule, release, metrics and the log line are the
-pipeline's: adding a form touches the form alone. (httpx's transports are the model: a
+more. A form says what body it expects from the request's head (`expect`), how the body read
+becomes tensors (or places) and options (`decode`), where the outputs go (`places`), a reply a
+worker may write itself (`reply`), how its answer is written (`answer`) and how its errors are
+(`refuse`). The pipeline calls it; it never calls the pipeline back. Admission, the body
+reader, validation, the queue, the deadline, the hang-up rule, release, metrics and the log
+line are the pipeline's: adding a form touches the form alone. (httpx's transports are the model: a
 transport implements `handle_request`; the client owns the rest.)
 
     safetensors /prefill    routes/prefill.py
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -32,9 +33,10 @@ from zen_mla.engine import (
 )
 from zen_mla.wire import PrefillOptions
 
+from .doors import Door
 from .settings import Settings
 
-__all__ = ["Form", "Intake", "RequestRecord", "Work"]
+__all__ = ["Expect", "Form", "RequestRecord", "Work"]
 
 A = TypeVar("A")
 
@@ -64,45 +66,38 @@ class Work:
     tensors: Mapping[str, torch.Tensor]
     options: PrefillOptions
     inputs: SharedBuffer | Sequence[SharedBuffer] | None = None
+    staging: SharedBuffer | None = None  # a buffer made for the inputs: given back with the body
 
 
-class Intake(Protocol):
-    """What the pipeline lends a form while it reads its request."""
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """The body a form expects, known from the request's head: at most `limit` bytes, landing
+    at byte `lead` of its buffer (a form that knows where its tensors start aligns them so);
+    `small`: read as bytes (a JSON), its buffer given back at once."""
 
-    record: RequestRecord
-    settings: Settings
-
-    @property
-    def engine(self) -> PrefillEngine: ...
-
-    def content_length(self) -> int:
-        """The HTTP body's announced size."""
-        ...
-
-    async def body(self, limit: int, lead: int = 0) -> SharedBuffer:
-        """The whole HTTP body (at most `limit` bytes, admitted first) in a pool buffer from
-        byte `lead` on, through the one body reader; it goes back once the work is done."""
-        ...
-
-    async def small(self, limit: int) -> bytes:
-        """A small body (a JSON), admitted and read as any other, as bytes; on the region
-        socket, the frame's body, which the socket's one reader read."""
-        ...
-
-    def hold(self, buf: SharedBuffer) -> None:
-        """A buffer of the engine's that the work reads: given back with the body."""
-        ...
+    limit: int
+    lead: int = 0
+    small: bool = False
 
 
 class Form(Generic[A]):
     """One request in one form; `A` is its answer (an HTTP response, a socket frame).
-    `computes`: False for a form that only reads a body (a registration): `read` returns None,
+    `computes`: False for a form that only reads a body (a registration): `decode` returns None,
     no engine is asked to be ready and `answer` gets no result."""
 
     route: str = ""  # the metrics' and the log line's name
     computes: bool = True
 
-    async def read(self, intake: Intake) -> Work | None:
+    def expect(self, settings: Settings, door: Door) -> Expect:
+        """The body expected, from the request's head (its checks raise here, before admission
+        and before a byte of the body is read)."""
+        raise NotImplementedError
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> Work | None:
+        """The body read (a buffer of the engine's, or bytes where `Expect.small`) as the
+        request's tensors and options; None for a form that computes nothing."""
         raise NotImplementedError
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:

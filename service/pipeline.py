@@ -2,9 +2,10 @@
 region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in `serve`.
 
     gate       admitting (`ready_engine`), the door's token
-    read       the form reads its request (`Form.read`) through the intake: admission and the
-               client's share before a byte is read, then the one body reader (`body`) or the
-               socket's frame, within the request's deadline
+    expect     the form says from the request's head what body it expects (`Form.expect`)
+    read       admission and the client's share before a byte is read, then the one body
+               reader (`body`) or the socket's frame, within the request's deadline
+    decode     the form makes the bytes its tensors and options (`Form.decode`)
     prepare    validated once, within the caps, kernels chosen (`PrefillEngine.prepare`)
     run        queued for the client (round-robin between clients), waited for within the
                deadline while the door watches for a hang-up (`compute`)
@@ -12,8 +13,9 @@ region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in
     account    whatever happened: admission and buffers given back, metrics, the log line
 
 The form supplies only the read and the answer (`form`); the door only who sent it and where
-its bytes are (`doors`). A zen_mla error is answered in the form's shape; anything else is a
-bug of ours, answered 500 as InternalError; a client gone is a 499, in the metrics only."""
+its bytes are (`doors`); each is called from here and returns here, none calls back. A zen_mla
+error is answered in the form's shape; anything else is a bug of ours, answered 500 as
+InternalError; a client gone is a 499, in the metrics only."""
 
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ from zen_mla.engine import (
 
 from .admission import Ticket
 from .body import SMALL_BYTES, give_back, read_body
-from .doors import CallDoor, Door, HttpDoor
-from .form import Form, RequestRecord, Work
+from .doors import CallDoor, Door
+from .form import Expect, Form, RequestRecord, Work
 from .settings import Settings
 from .state import ServiceState, readiness
 
@@ -73,16 +75,19 @@ def ready_engine(state: ServiceState) -> PrefillEngine:
 async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
     """`form`'s request, come in by `door`, from its gate to its log line (see the module)."""
     record = RequestRecord(form.route, time.perf_counter())
-    intake = _Intake(state, door, record)
+    held = Held()
     try:
         if form.computes:
             ready_engine(state)
         door.authorize(state.settings)
-        work = await form.read(intake)
+        expect = form.expect(state.settings, door)
+        engine = _engine(state)
+        body = await _read(state, door, expect, record, held)
+        work = await form.decode(body, engine, record)
         if work is None:
             answer = await form.answer(None, record)
         else:
-            answer = await _run(state, door, form, intake, work)
+            answer = await _run(state, door, form, work, record, held)
         record.status = 200
         return answer
     except (ClientDisconnect, ClientGoneError):
@@ -99,13 +104,75 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         error = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         return form.refuse(error, record, {})
     finally:
-        await intake.held.release(state.engine)
+        await held.release(state.engine)
         _account(state, record)
 
 
-async def _run(state: ServiceState, door: Door, form: Form[A], intake: _Intake, work: Work) -> A:
-    engine = intake.engine
-    record = intake.record
+def _engine(state: ServiceState) -> PrefillEngine:
+    """The engine, for its buffers (a form that computes nothing passes no gate)."""
+    if state.engine is None:
+        raise readiness(state).error(retry_after=5)
+    return state.engine
+
+
+async def _read(
+    state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
+) -> SharedBuffer | bytes:
+    """The request's bytes, admitted for its client: an HTTP body through the one body reader
+    (admitted before a byte of it is read), or a region-socket frame's body (read already by
+    the socket's one frame reader)."""
+    admission = state.admission
+    if isinstance(door, CallDoor):
+        raw = door.body()
+        if len(raw) > expect.limit:
+            raise BodyTooLargeError(f"body: expected at most {expect.limit} bytes, got {len(raw)}")
+        held.ticket = admission.admit_read(len(raw), door.client)
+        _arrived(record, len(raw))
+        return raw
+    n = door.content_length()
+    if n > expect.limit:
+        raise BodyTooLargeError(f"Content-Length: expected at most {expect.limit} bytes, got {n}")
+    admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
+    ticket = held.ticket = admission.admit(n, door.client)
+    s = state.settings
+    engine = _engine(state)
+    buf = await read_body(
+        door.receive,
+        ticket,
+        engine,
+        min_rate=s.min_body_rate,
+        grace_s=s.body_grace_s,
+        deadline_at=asyncio.get_running_loop().time() + _remaining(s, record),
+        deadline_s=s.deadline_s,
+        lead=expect.lead,
+    )
+    held.buffers.append(buf)
+    _arrived(record, n)
+    ticket.uploaded()
+    if not expect.small:
+        return buf
+    try:
+        return bytes(buf.bytes_view[:n])
+    finally:
+        await held.give_back(engine)
+
+
+def _arrived(record: RequestRecord, nbytes: int) -> None:
+    record.bytes_in = nbytes
+    record.ingest_s = time.perf_counter() - record.t0
+
+
+async def _run(
+    state: ServiceState,
+    door: Door,
+    form: Form[A],
+    work: Work,
+    record: RequestRecord,
+    held: Held,
+) -> A:
+    engine = _engine(state)
+    if work.staging is not None:
+        held.buffers.append(work.staging)
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)
@@ -115,7 +182,7 @@ async def _run(state: ServiceState, door: Door, form: Form[A], intake: _Intake, 
             door.gone(),
             prepared,
             record,
-            intake.held,
+            held,
             inputs=work.inputs,
             places=places,
             reply=reply,
@@ -123,7 +190,7 @@ async def _run(state: ServiceState, door: Door, form: Form[A], intake: _Intake, 
     except KernelError as exc:
         form.explain(exc)
         raise
-    await intake.held.give_back(engine)  # the inputs' memory, before the answer goes out
+    await held.give_back(engine)  # the inputs' memory, before the answer goes out
     if places is not None:
         result.release()  # written where the caller said: no memory of the pool's to keep
     return await form.answer(result, record)
@@ -159,78 +226,6 @@ class Held:
         return kept
 
 
-class _Intake:
-    """`form.Intake`: what a form reads its request through, for one request."""
-
-    def __init__(self, state: ServiceState, door: Door, record: RequestRecord) -> None:
-        self.state = state
-        self.settings: Settings = state.settings
-        self.door = door
-        self.record = record
-        self.held = Held()
-
-    @property
-    def engine(self) -> PrefillEngine:
-        if self.state.engine is None:
-            raise readiness(self.state).error(retry_after=5)
-        return self.state.engine
-
-    def content_length(self) -> int:
-        if not isinstance(self.door, HttpDoor):
-            raise TypeError("a region-socket call has no HTTP body")
-        return self.door.content_length()
-
-    async def body(self, limit: int, lead: int = 0) -> SharedBuffer:
-        door = self.door
-        if not isinstance(door, HttpDoor):
-            raise TypeError("a region-socket call has no HTTP body")
-        # Checks made before a byte of the body is read; the request's share of the admission,
-        # counted to its client.
-        n = door.content_length()
-        if n > limit:
-            raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
-        admission = self.state.admission
-        admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
-        ticket = self.held.ticket = admission.admit(n, door.client)
-        s = self.settings
-        loop = asyncio.get_running_loop()
-        buf = await read_body(
-            door.receive,
-            ticket,
-            self.engine,
-            min_rate=s.min_body_rate,
-            grace_s=s.body_grace_s,
-            deadline_at=loop.time() + _remaining(s, self.record),
-            deadline_s=s.deadline_s,
-            lead=lead,
-        )
-        self.held.buffers.append(buf)
-        self._arrived(ticket.nbytes)
-        ticket.uploaded()
-        return buf
-
-    async def small(self, limit: int) -> bytes:
-        if isinstance(self.door, CallDoor):
-            raw = self.door.body()
-            if len(raw) > limit:
-                raise BodyTooLargeError(f"body: expected at most {limit} bytes, got {len(raw)}")
-            self.held.ticket = self.state.admission.admit_read(len(raw), self.door.client)
-            self._arrived(len(raw))
-            return raw
-        buf = await self.body(limit)
-        try:
-            return bytes(buf.bytes_view[: self.record.bytes_in])
-        finally:
-            await self.held.give_back(self.engine)
-
-    def hold(self, buf: SharedBuffer) -> None:
-        self.held.buffers.append(buf)
-
-    def _arrived(self, nbytes: int) -> None:
-        self.record.bytes_in = nbytes
-        self.record.ingest_s = time.perf_counter() - self.record.t0
-
-
 def _remaining(settings: Settings, record: RequestRecord) -> float:
     return settings.deadline_s - (time.perf_counter() - record.t0)
 
@@ -253,7 +248,7 @@ async def compute(
     run from this thread (`loop=`): one small enough for one worker goes straight to an idle
     one, with no thread between."""
     engine = state.engine
-    assert engine is not None and held.ticket is not None, "read through the intake first"
+    assert engine is not None and held.ticket is not None, "read first"
     record.info |= {
         "tq": prepared.num_q_tokens,
         "tk": prepared.num_kv_tokens,

@@ -31,8 +31,9 @@ from zen_mla.regions import SystemShmRegistry, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
-from ..doors import byte_count
-from ..form import Form, Intake, RequestRecord, Work
+from ..doors import Door, HttpDoor, byte_count
+from ..form import Expect, Form, RequestRecord, Work
+from ..settings import Settings
 from . import request as kr
 from .errors import error_response
 from .outputs import Places, direct_outputs, output_places, respond
@@ -78,40 +79,47 @@ class InferForm(Form[Response]):
         self.req: kr.InferRequest | None = None
         self.out_places: Places = {}
         self.direct = False
-        self.max_json_bytes = 0
+        self.max_json_bytes = 0  # the rest from the request's head (`expect`)
+        self.json_bytes = self.binary_bytes = 0
+        self.system_shm = False
 
-    async def read(self, intake: Intake) -> Work:
+    def expect(self, settings: Settings, door: Door) -> Expect:
         kr.check_model(self.model, self.version)
-        s = intake.settings
-        self.max_json_bytes = s.max_json_bytes
+        assert isinstance(door, HttpDoor)
+        self.max_json_bytes = settings.max_json_bytes
         headers = self.request.headers
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise UnsupportedMediaTypeError(
                 f"Content-Encoding: expected identity (bodies are read as sent), got {encoding}"
             )
-        n = intake.content_length()
-        json_bytes = _header_length(self.request, n)
-        if json_bytes > s.max_json_bytes:
+        n = door.content_length()
+        self.json_bytes = _header_length(self.request, n)
+        self.binary_bytes = n - self.json_bytes
+        if self.json_bytes > settings.max_json_bytes:
             raise BodyTooLargeError(
-                f"inference header: expected at most {s.max_json_bytes} bytes of JSON, got "
-                f"{json_bytes}; send tensors as binary data (binary_data_size)"
+                f"inference header: expected at most {settings.max_json_bytes} bytes of JSON, "
+                f"got {self.json_bytes}; send tensors as binary data (binary_data_size)"
             )
-        lead = -json_bytes % ALIGN
-        buf = await intake.body(s.max_body_bytes, lead)
-        raw = bytes(buf.bytes_view[lead : lead + json_bytes])
-        req, tensors = await _read_request(raw, n - json_bytes, self.big_json)
+        self.system_shm = settings.system_shm
+        return Expect(settings.max_body_bytes, lead=-self.json_bytes % ALIGN)
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> Work:
+        assert isinstance(body, SharedBuffer)
+        lead = -self.json_bytes % ALIGN
+        raw = bytes(body.bytes_view[lead : lead + self.json_bytes])
+        req, tensors = await _read_request(raw, self.binary_bytes, self.big_json)
         del raw
         self.req = req
-        intake.record.request_id = req.id
-        if req.uses_shm and not s.system_shm:
+        record.request_id = req.id
+        if req.uses_shm and not self.system_shm:
             raise off_error()
-        engine = intake.engine
-        tensors |= _inputs(engine, req, buf, lead + json_bytes, self.regions)
-        homes, staging = _place_inputs(engine, tensors, buf, req, self.regions)
-        if staging is not None:
-            intake.hold(staging)  # given back with the body, once the work is done
-        return Work(tensors, req.options, inputs=homes)
+        tensors |= _inputs(engine, req, body, lead + self.json_bytes, self.regions)
+        homes, staging = _place_inputs(engine, tensors, body, req, self.regions)
+        # staging, where made, is given back with the body once the work is done
+        return Work(tensors, req.options, inputs=homes, staging=staging)
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
         assert self.req is not None

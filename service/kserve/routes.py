@@ -14,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
-from zen_mla.engine import PrefillResult
+from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
 from zen_mla.regions import SystemShmRegistry, off_error
 
-from ..doors import HttpDoor
-from ..form import Form, Intake, RequestRecord
+from ..doors import Door, HttpDoor
+from ..form import Expect, Form, RequestRecord
 from ..pipeline import serve
+from ..settings import Settings
 from ..state import ServiceState, readiness
 from . import request as kr
 from .errors import ERROR_RESPONSES, error_response
@@ -41,16 +42,23 @@ class RegisterForm(Form[Response]):
         self.state = state
         self.name = name
 
-    async def read(self, intake: Intake) -> None:
-        regions = _registry(self.state)
-        raw = await intake.small(REGISTER_BYTES)
-        body = kr.parse_header(raw)
-        if not isinstance(body, dict):
-            raise WireFormatError("register", "a JSON object", type(body).__name__)
-        unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+    def expect(self, settings: Settings, door: Door) -> Expect:
+        _registry(self.state)
+        return Expect(REGISTER_BYTES, small=True)
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> None:
+        regions = _registry(self.state)  # still there: the body read took a while
+        assert isinstance(body, bytes)
+        fields = kr.parse_header(body)
+        if not isinstance(fields, dict):
+            raise WireFormatError("register", "a JSON object", type(fields).__name__)
+        unknown = sorted(set(fields) - {"key", "offset", "byte_size"})
         if unknown:
             raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
-        regions.register(self.name, body.get("key"), body.get("offset", 0), body.get("byte_size"))
+        key, offset, size = fields.get("key"), fields.get("offset", 0), fields.get("byte_size")
+        regions.register(self.name, key, offset, size)
         return None
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:

@@ -31,10 +31,11 @@ from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
 from zen_mla.engine import PrefillRequest, PrefillResult, Reply
 from zen_mla.regions import Calls, RegionRegistry, encode_frame
 
-from ..doors import CallDoor
-from ..form import Form, Intake, RequestRecord, Work
+from ..doors import CallDoor, Door
+from ..form import Expect, Form, RequestRecord
 from ..pipeline import serve
 from ..problems import problem_body
+from ..settings import Settings
 from ..state import ServiceState
 from .regions import RegionsRequest
 
@@ -79,14 +80,14 @@ class CallForm(RegionsRequest, Form["Frame | None"]):
         self.numbered: Frame = {"call": call} if ok else {}
         self.frame: Frame = {}
 
-    async def read(self, intake: Intake) -> Work:
+    def expect(self, settings: Settings, door: Door) -> Expect:
         if self.call is not None and not self.numbered:
             raise InvalidInputError(
                 "call",
                 f"a whole number from 0 to {MAX_CALL} (the call's count)",
                 f"{self.call!r:.40}",
             )
-        return await super().read(intake)
+        return super().expect(settings, door)
 
     def reply(self, prepared: PrefillRequest) -> Reply | None:
         # known before the work runs (where the results go): a worker may write it itself

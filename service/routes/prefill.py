@@ -10,14 +10,15 @@ import torch
 from fastapi import FastAPI, Request, Response
 
 from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
-from zen_mla.engine import PrefillResult
+from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
 from zen_mla.wire import regions_json
 
 from ..answer import answer_metadata, server_timing, stream
-from ..doors import HttpDoor
-from ..form import Form, Intake, RequestRecord, Work
+from ..doors import Door, HttpDoor
+from ..form import Expect, Form, RequestRecord, Work
 from ..pipeline import serve
 from ..problems import PROBLEM_RESPONSES, problem
+from ..settings import Settings
 from ..state import ServiceState
 from .regions import RegionsForm
 
@@ -69,7 +70,7 @@ class SafetensorsForm(Form[Response]):
         self.media = media
         self.regions_offered = regions_offered
 
-    async def read(self, intake: Intake) -> Work:
+    def expect(self, settings: Settings, door: Door) -> Expect:
         if self.media != "application/octet-stream":
             offered = "application/octet-stream" + (
                 f" or {regions_json.MEDIA_TYPE}" if self.regions_offered else ""
@@ -77,11 +78,16 @@ class SafetensorsForm(Form[Response]):
             raise UnsupportedMediaTypeError(
                 f"Content-Type: expected {offered}, got {self.media or 'none'}"
             )
-        buf = await intake.body(intake.settings.max_body_bytes)
-        n = intake.record.bytes_in
-        tensors, meta = wire.decode(buf.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
-        intake.record.request_id = meta.get("request_id")
-        return Work(tensors, wire.parse_options(meta), inputs=buf)
+        return Expect(settings.max_body_bytes)
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> Work:
+        assert isinstance(body, SharedBuffer)
+        n = record.bytes_in
+        tensors, meta = wire.decode(body.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
+        record.request_id = meta.get("request_id")
+        return Work(tensors, wire.parse_options(meta), inputs=body)
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
         assert result is not None

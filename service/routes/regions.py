@@ -14,14 +14,16 @@ from fastapi.responses import Response
 
 from zen_mla import InvalidInputError, ZenMLAError, wire
 from zen_mla.attention import KernelChoice
-from zen_mla.engine import OutputPlaces, PrefillRequest, PrefillResult, SharedBuffer
+from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
 from zen_mla.regions import RegionRegistry
 from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
 from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
 
 from ..answer import answer_metadata, server_timing
-from ..form import Form, Intake, RequestRecord, Work
+from ..doors import Door
+from ..form import Expect, Form, RequestRecord, Work
 from ..problems import problem
+from ..settings import Settings
 
 __all__ = ["RESOLVED_KEPT", "RegionsForm", "RegionsRequest", "Resolved", "answer_body"]
 
@@ -47,8 +49,9 @@ class Resolved:
 
 
 class RegionsRequest:
-    """How a regions JSON body is read (`read`) and where its outputs go (`places`): every
-    place checked against its region, outputs against the inputs and each other.
+    """How a regions JSON body is read (`expect`, `decode`) and where its outputs go
+    (`places`): every place checked against its region, outputs against the inputs and each
+    other.
 
     An orchestrator sends the same body layer after layer: what a body resolved to is kept
     (~25 us of Python a body, in `RegionRegistry.memo`) while every region it names stays, and
@@ -66,10 +69,15 @@ class RegionsRequest:
         assert self._registry is not None, "regions are served once the engine runs"
         return self._registry
 
-    async def read(self, intake: Intake) -> Work:
-        body = await intake.small(wire.MAX_HEADER_BYTES)
+    def expect(self, settings: Settings, door: Door) -> Expect:
+        return Expect(wire.MAX_HEADER_BYTES, small=True)
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> Work:
+        assert isinstance(body, bytes)
         resolved = self.resolve(body)
-        intake.record.request_id = resolved.options.request_id
+        record.request_id = resolved.options.request_id
         return Work(resolved.tensors, resolved.options, inputs=resolved.inputs)
 
     def resolve(self, body: bytes) -> Resolved:

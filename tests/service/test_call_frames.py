@@ -26,6 +26,7 @@ ERRORS = {
     "unavailable": zen_mla.ServiceUnavailableError("draining", retry_after=5),
     "deadline": zen_mla.DeadlineExceededError("ran past its 60 s deadline"),
     "kernel": zen_mla.KernelError("a worker died"),
+    "internal": zen_mla.InternalError("internal error: KeyError: 'q'"),
     "unauthorized": zen_mla.UnauthorizedError("a valid bearer token is required"),
 }
 
