@@ -25,8 +25,10 @@ from .admission import Ticket
 
 __all__ = ["SMALL_BYTES", "Receive", "give_back", "read_body"]
 
-# Buffers up to this size are given back on the event loop; larger ones in a thread (unmapping
-# 1 GiB takes 0.3-0.5 s, without the GIL).
+#: Work on this many bytes or fewer is done on the event loop, more in a thread (where the GIL
+#: is let go or the loop must not wait): giving a buffer back (unmapping 1 GiB takes 0.3-0.5 s),
+#: making a job's `out` (the pool pre-faults it), parsing a /v2 JSON (its Python objects take
+#: some ten times its bytes), writing an output into system shared memory (pwrite).
 SMALL_BYTES = 1 << 20
 # Bytes of a body faulted in (and charged to the budget) ahead of the bytes that came: faulting
 # a window in one madvise is far cheaper than a fault per page, and 16 MiB takes ~2 ms.
