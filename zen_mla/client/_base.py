@@ -87,10 +87,21 @@ def _tensors(
             raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
         if name in ("q", "k", "v") and t.ndim != 3:
             raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
+        # cu_seq_lens are read here to weigh the request: checked first
+        whole = t.ndim == 1 and t.shape[0] >= 1 and t.dtype in (torch.int32, torch.int64)
+        if name.endswith("cu_seq_lens") and not whole:
+            got = f"{t.dtype} of shape {tuple(t.shape)}"
+            raise InvalidInputError(name, "a 1-D int32 or int64 tensor [B + 1]", got)
         if t.dtype not in BY_TORCH:
             raise InvalidInputError(
                 name, f"a dtype among {', '.join(BY_SAFETENSORS)}", str(t.dtype)
             )
+    if kv_cu_seq_lens is not None and kv_cu_seq_lens.shape != q_cu_seq_lens.shape:
+        raise InvalidInputError(
+            "kv_cu_seq_lens",
+            f"[B + 1] = {list(q_cu_seq_lens.shape)}, as q_cu_seq_lens",
+            str(list(kv_cu_seq_lens.shape)),
+        )
     return tensors
 
 
