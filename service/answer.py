@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 
-from .form import RequestRecord
+from .forms.base import RequestRecord
 
 __all__ = ["SEND_CHUNK", "SMALL_ANSWER", "answer_metadata", "server_timing", "stream"]
 

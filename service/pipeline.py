@@ -50,7 +50,7 @@ from zen_mla.engine import (
 from .admission import Ticket
 from .body import SMALL_BYTES, give_back, read_body
 from .doors import CallDoor, Door
-from .form import Expect, Form, RequestRecord, Work
+from .forms.base import Expect, Form, RequestRecord, Work
 from .settings import Settings
 from .state import ServiceState, readiness
 

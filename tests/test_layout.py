@@ -211,3 +211,14 @@ def test_a_request_s_life_is_assembled_in_one_module_of_the_service():
     assert not {name: uses for name, uses in others.items() if uses}
     everything = {*(f"engine.{u}" for u in ENGINE_USES), *ADMISSION_USES, READER}
     assert _life_uses(PIPELINE) == everything
+
+
+def test_the_pipeline_is_called_by_the_routes_and_calls_nothing_back():
+    """Routes hand a (door, form) to the pipeline; forms, doors and the body reader it calls
+    never import it, so a request's walk only goes down (route > pipeline > form, body >
+    engine)."""
+    importers = {name for name in MODULES for target, _ in imported(name) if target == PIPELINE}
+    assert importers <= {"service.routes.prefill", "service.routes.calls", "service.kserve.routes"}
+    below = [name for name in MODULES if name.startswith(("service.forms", "service.doors"))]
+    for name in below:
+        assert not [t for t, _ in imported(name) if t.startswith("service.routes")], name

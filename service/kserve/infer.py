@@ -32,7 +32,7 @@ from zen_mla.regions import SystemShmRegistry, off_error
 from ..answer import server_timing
 from ..body import SMALL_BYTES
 from ..doors import Door, HttpDoor, byte_count
-from ..form import Expect, Form, RequestRecord, Work
+from ..forms.base import Expect, Form, RequestRecord, Work
 from ..settings import Settings
 from . import request as kr
 from .errors import error_response

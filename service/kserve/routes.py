@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe v2) next to `/prefill`: server and model metadata,
 health, `POST /v2/models/mla_prefill/infer` (`kserve.infer.InferForm`), and the system shared
 memory extension (off unless `system_shm`; a registration reads its JSON body through the one
-pipeline, `RegisterForm`). Errors are the protocol's (`kserve.errors`).
+pipeline, `kserve.register`). Errors are the protocol's (`kserve.errors`).
 """
 
 from __future__ import annotations
@@ -13,71 +13,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
-from zen_mla.regions import SystemShmRegistry, off_error
+from zen_mla import ZenMLAError
+from zen_mla.regions import SystemShmRegistry
 
-from ..doors import Door, HttpDoor
-from ..form import Expect, Form, RequestRecord
+from ..doors import HttpDoor
 from ..pipeline import serve
-from ..settings import Settings
 from ..state import ServiceState, readiness
 from . import request as kr
 from .errors import ERROR_RESPONSES, error_response
 from .infer import InferForm
+from .register import RegisterForm, registry_of
 
-__all__ = ["RegisterForm", "add_routes"]
-
-REGISTER_BYTES = 64 << 10  # a system shared memory registration's JSON, at most
-
-
-class RegisterForm(Form[Response]):
-    """`POST /v2/systemsharedmemory/region/{name}/register`: a small JSON body (key, offset,
-    byte_size) read as any body is, and nothing computed."""
-
-    route = "v2_register"
-    computes = False
-
-    def __init__(self, state: ServiceState, name: str) -> None:
-        self.state = state
-        self.name = name
-
-    def expect(self, settings: Settings, door: Door) -> Expect:
-        _registry(self.state)
-        return Expect(REGISTER_BYTES, small=True)
-
-    async def decode(
-        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
-    ) -> None:
-        regions = _registry(self.state)  # still there: the body read took a while
-        assert isinstance(body, bytes)
-        fields = kr.parse_header(body)
-        if not isinstance(fields, dict):
-            raise WireFormatError("register", "a JSON object", type(fields).__name__)
-        unknown = sorted(set(fields) - {"key", "offset", "byte_size"})
-        if unknown:
-            raise InvalidInputError("register", "key, offset, byte_size", repr(unknown[0])[:40])
-        key, offset, size = fields.get("key"), fields.get("offset", 0), fields.get("byte_size")
-        regions.register(self.name, key, offset, size)
-        return None
-
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
-        return JSONResponse({})
-
-    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:
-        return error_response(exc, headers)
-
-    def hung_up(self) -> Response:
-        return Response(status_code=499)
-
-
-def _registry(state: ServiceState) -> SystemShmRegistry:
-    """The system shared memory registry, where it is on and made (ForbiddenError, 503)."""
-    if not state.settings.system_shm:
-        raise off_error()
-    if state.system_shm is None:  # made as the engine starts
-        raise readiness(state).error(retry_after=5)
-    return state.system_shm
+__all__ = ["add_routes"]
 
 
 def add_routes(app: FastAPI, state: ServiceState) -> None:
@@ -176,7 +123,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
     def registry(request: Request) -> SystemShmRegistry:
         HttpDoor(request).authorize(state.settings)
-        return _registry(state)
+        return registry_of(state)
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)
     @app.get(shm + "/region/{name}/status", tags=["v2"], responses=ERROR_RESPONSES)

@@ -1,52 +1,21 @@
 """Prefill calls on the region socket, with no HTTP on their way: the `RegionServer`'s `calls`
-hook. A call is a regions-JSON `/prefill` (`routes.regions`) in a frame (`CallForm`), come in
-by the socket's door (`doors.CallDoor`), and goes through the one pipeline as any request
-(`pipeline.serve`: readiness, admission, the deadline, the hang-up rule, metrics under route
-"socket", the log line with its timings); the token was checked by the socket's hello.
-
-    {"op": "prefill", "call": n, "body": "<the regions JSON request>"}
-    -> {"ok": true, "call": n, "body": "<the regions JSON answer>"}
-    -> {"ok": false, "call": n, "status": 4xx/5xx, "error": detail, <the problem body's
-        fields>, "retry_after": seconds (429, 503)}
-
-The error reply carries what a problem+json does (`problems.problem_body`: type, detail, tensor,
-expected, got, hint), so the client raises the class the service raised, through its one table.
-
-`call`, the client's count of its calls on the connection, is optional. With it, a call run on
-one worker straight from the event loop is answered by that worker: the reply (known before the
-work runs: where the results go) rides with the task with the connection's descriptor, and the
-worker writes it the moment the kernel is done, with no hop back through this process (one
-wake-up and the completion's Python off each call). Should the deadline pass as it does, the
-service's 504 and the worker's reply both come, numbered: the client keeps the first.
-"""
+hook. A call is a prefill frame (`forms.call`) come in by the socket's door (`doors.CallDoor`),
+and goes through the one pipeline as any request (`pipeline.serve`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
 from typing import Any
 
-from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
-from zen_mla.engine import PrefillRequest, PrefillResult, Reply
-from zen_mla.regions import Calls, RegionRegistry, encode_frame
+from zen_mla.regions import Calls
 
-from ..doors import CallDoor, Door
-from ..form import Expect, Form, RequestRecord
+from ..doors import CallDoor
+from ..forms.call import CallForm, Frame
 from ..pipeline import serve
-from ..problems import problem_body
-from ..settings import Settings
 from ..state import ServiceState
-from .regions import RegionsRequest
 
-__all__ = ["ROUTE", "CallForm", "refusal", "socket_calls"]
-
-ROUTE = "socket"  # the metrics' and the log line's name for these calls
-
-#: the largest call number: what a JSON number holds exactly
-MAX_CALL = (1 << 53) - 1
-
-Frame = dict[str, Any]
+__all__ = ["socket_calls"]
 
 
 def socket_calls(state: ServiceState) -> Calls:
@@ -63,59 +32,3 @@ async def _call(
 ) -> Frame | None:
     form = CallForm(state.regions, message.get("call"), fd)
     return await serve(state, CallDoor(message, gone, uid), form)
-
-
-class CallForm(RegionsRequest, Form["Frame | None"]):
-    """A prefill frame: a regions JSON request, answered by a frame (None where the worker wrote
-    it). `call` is the client's count of its calls on the connection (optional); `fd` the
-    connection's descriptor, which a worker's reply is written to."""
-
-    route = ROUTE
-
-    def __init__(self, registry: RegionRegistry | None, call: object, fd: int) -> None:
-        super().__init__(registry)
-        self.call = call
-        self.fd = fd
-        ok = type(call) is int and 0 <= call <= MAX_CALL
-        self.numbered: Frame = {"call": call} if ok else {}
-        self.frame: Frame = {}
-
-    def expect(self, settings: Settings, door: Door) -> Expect:
-        if self.call is not None and not self.numbered:
-            raise InvalidInputError(
-                "call",
-                f"a whole number from 0 to {MAX_CALL} (the call's count)",
-                f"{self.call!r:.40}",
-            )
-        return super().expect(settings, door)
-
-    def reply(self, prepared: PrefillRequest) -> Reply | None:
-        # known before the work runs (where the results go): a worker may write it itself
-        body = self.answer_body(prepared.kernels, self._request_id()).decode()
-        self.frame = {"ok": True, **self.numbered, "body": body}
-        return Reply(self.fd, encode_frame(self.frame)) if self.numbered else None
-
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Frame | None:
-        assert result is not None
-        record.bytes_out = len(self.frame["body"])
-        record.info["replied_by"] = "worker" if result.replied else "service"
-        return None if result.replied else self.frame
-
-    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Frame:
-        return refusal(exc, record.request_id) | self.numbered
-
-    def hung_up(self) -> Frame:
-        return {"ok": False, **self.numbered, "status": 499}
-
-    def _request_id(self) -> str | None:
-        return self.resolved.options.request_id if self.resolved is not None else None
-
-
-def refusal(exc: ZenMLAError, request_id: str | None = None) -> Frame:
-    """The error reply: the problem body's fields, flat, and the retry hint a header carries
-    on HTTP."""
-    problem = problem_body(exc, request_id)
-    reply: Frame = {"ok": False, "error": problem["detail"], **problem}
-    if isinstance(exc, OverloadedError) and exc.retry_after is not None:
-        reply["retry_after"] = max(1, math.ceil(exc.retry_after))
-    return reply

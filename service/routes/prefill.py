@@ -1,28 +1,22 @@
-"""`POST /prefill`, in either body form: a safetensors file (`SafetensorsForm`: read straight
-into the pool's shared memory by the one body reader, decoded as views, read there in place by
-the workers, and answered from the shared memory the workers wrote), or a regions JSON naming
-places in the client's same-host regions (`routes.regions.RegionsForm`). Both go through the
-one pipeline (`pipeline.serve`); errors leave as problem+json (`problems`)."""
+"""`POST /prefill`, in either body form: a safetensors file (`forms.safetensors`) or a regions
+JSON naming places in the client's same-host regions (`forms.regions`), picked by its
+Content-Type; both go through the one pipeline (`pipeline.serve`)."""
 
 from __future__ import annotations
 
-import torch
 from fastapi import FastAPI, Request, Response
 
-from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
 from zen_mla.wire import regions_json
 
-from ..answer import answer_metadata, server_timing, stream
-from ..doors import Door, HttpDoor
-from ..form import Expect, Form, RequestRecord, Work
+from ..doors import HttpDoor
+from ..forms.base import Form
+from ..forms.regions import RegionsForm
+from ..forms.safetensors import SafetensorsForm
 from ..pipeline import serve
-from ..problems import PROBLEM_RESPONSES, problem
-from ..settings import Settings
+from ..problems import PROBLEM_RESPONSES
 from ..state import ServiceState
-from .regions import RegionsForm
 
-__all__ = ["SafetensorsForm", "add_routes", "send"]
+__all__ = ["add_routes"]
 
 
 def add_routes(app: FastAPI, state: ServiceState) -> None:
@@ -58,53 +52,3 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         else:
             form = SafetensorsForm(media, state.regions is not None)
         return await serve(state, HttpDoor(request), form)
-
-
-class SafetensorsForm(Form[Response]):
-    """A safetensors body: read into shared memory, decoded as views, read there in place; the
-    answer a safetensors file streamed from the shared memory the workers wrote."""
-
-    route = "prefill"
-
-    def __init__(self, media: str, regions_offered: bool) -> None:
-        self.media = media
-        self.regions_offered = regions_offered
-
-    def expect(self, settings: Settings, door: Door) -> Expect:
-        if self.media != "application/octet-stream":
-            offered = "application/octet-stream" + (
-                f" or {regions_json.MEDIA_TYPE}" if self.regions_offered else ""
-            )
-            raise UnsupportedMediaTypeError(
-                f"Content-Type: expected {offered}, got {self.media or 'none'}"
-            )
-        return Expect(settings.max_body_bytes)
-
-    async def decode(
-        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
-    ) -> Work:
-        assert isinstance(body, SharedBuffer)
-        n = record.bytes_in
-        tensors, meta = wire.decode(body.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
-        record.request_id = meta.get("request_id")
-        return Work(tensors, wire.parse_options(meta), inputs=body)
-
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
-        assert result is not None
-        response = send(result, record.request_id)
-        record.bytes_out = int(response.headers["content-length"])
-        return server_timing(response, record)
-
-    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:
-        return problem(exc, record.request_id, headers)
-
-    def hung_up(self) -> Response:
-        return Response(status_code=499)
-
-
-def send(result: PrefillResult, request_id: str | None) -> Response:
-    """safetensors header, then out and lse straight from the shared memory the workers wrote
-    (`answer.stream`)."""
-    outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})
-    header, chunks = wire.encode(outputs, answer_metadata(result.kernels, request_id))
-    return stream(header, chunks, result, "application/octet-stream")

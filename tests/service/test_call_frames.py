@@ -1,5 +1,5 @@
 """A region-socket call's frames without a server: the request frame passes the socket's one
-reader, an error reply (`routes.calls.refusal`) comes back as the class it left as through the
+reader, an error reply (`forms.call.refusal`) comes back as the class it left as through the
 client's one translation (`_answers.called`), and an ok reply is checked like an HTTP answer."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import zen_mla
-from service.routes.calls import refusal, socket_calls
+from service.forms.call import refusal
+from service.routes.calls import socket_calls
 from service.settings import Settings
 from service.state import ServiceState
 from zen_mla.client._answers import AnswerSpec, called

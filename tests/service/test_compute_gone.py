@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zen_mla
-from service.form import RequestRecord
+from service.forms.base import RequestRecord
 from service.pipeline import ClientGoneError, Held, compute
 from service.settings import Settings
 from service.state import ServiceState

@@ -13,7 +13,7 @@ import gc
 import torch
 from starlette.responses import Response, StreamingResponse
 
-from service.routes.prefill import send
+from service.forms.safetensors import send
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 from zen_mla.pool import PoolResult

@@ -15,7 +15,7 @@ import pytest
 
 import zen_mla
 from service.doors import CallDoor, Door
-from service.form import Expect, Form, RequestRecord, Work
+from service.forms.base import Expect, Form, RequestRecord, Work
 from service.pipeline import serve
 from service.problems import problem_body
 from service.settings import Settings

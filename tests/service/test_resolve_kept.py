@@ -1,4 +1,4 @@
-"""What a regions body resolved to is kept (`routes.regions.RegionsRequest`): the same tensors
+"""What a regions body resolved to is kept (`forms.regions.RegionsRequest`): the same tensors
 for the same body while its regions stay, the batch validated again every call (its offsets live
 in the client's memory), and nothing kept once a region goes, or when a body fails."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zen_mla
-from service.routes import regions as routes
+from service.forms import regions as routes
 from zen_mla.engine import EngineConfig, OutputPlaces, PrefillEngine, PrefillRequest
 from zen_mla.pool import PoolConfig
 from zen_mla.regions.memfd import create_sealed_memfd

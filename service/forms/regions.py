@@ -1,7 +1,7 @@
 """`/prefill` requests whose tensors lie in same-host regions (`zen_mla.wire.regions_json`):
 the body names places, the workers read and write the client's memory, and the answer names
 where the results are. `RegionsRequest` reads such a body (over HTTP or in a region-socket
-frame, `routes.calls`); `RegionsForm` answers it over HTTP. The pipeline (`pipeline.serve`)
+frame, `forms.call`); `RegionsForm` answers it over HTTP. The pipeline (`pipeline.serve`)
 admits, queues and times them as any request."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
 
 from ..answer import answer_metadata, server_timing
 from ..doors import Door
-from ..form import Expect, Form, RequestRecord, Work
 from ..problems import problem
 from ..settings import Settings
+from .base import Expect, Form, RequestRecord, Work
 
 __all__ = ["RESOLVED_KEPT", "RegionsForm", "RegionsRequest", "Resolved", "answer_body"]
 

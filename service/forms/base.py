@@ -7,11 +7,11 @@ reader, validation, the queue, the deadline, the hang-up rule, release, metrics 
 line are the pipeline's: adding a form touches the form alone. (httpx's transports are the model: a
 transport implements `handle_request`; the client owns the rest.)
 
-    safetensors /prefill    routes/prefill.py
-    regions JSON /prefill   routes/regions.py
-    region-socket call      routes/calls.py
+    safetensors /prefill    forms/safetensors.py
+    regions JSON /prefill   forms/regions.py
+    region-socket call      forms/call.py
     /v2 infer               kserve/infer.py
-    /v2 shm registration    kserve/routes.py (reads a body, computes nothing)
+    /v2 shm registration    kserve/register.py (reads a body, computes nothing)
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from zen_mla.engine import (
 )
 from zen_mla.wire import PrefillOptions
 
-from .doors import Door
-from .settings import Settings
+from ..doors import Door
+from ..settings import Settings
 
 __all__ = ["Expect", "Form", "RequestRecord", "Work"]
 
