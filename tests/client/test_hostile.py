@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.client.clients import CLIENTS, bounded
 from tests.client.fake_server import (
     FakeRegionSocket,
     FakeServer,
@@ -32,7 +33,6 @@ from tests.client.fake_server import (
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.regions.client import RegionClient
 
-CLIENTS = ["sync", "async"]
 TQ, H, DQK, DV = 8, 2, 192, 128
 TIB = 1 << 40
 
@@ -49,25 +49,6 @@ def right(return_lse: bool = False) -> dict[str, torch.Tensor]:
     if return_lse:
         tensors["lse"] = torch.full((H, TQ), -1.0)
     return tensors
-
-
-def bounded(fn: Callable[[], Any], seconds: float = 20.0) -> Any:
-    """fn() in a thread, failing the test (not hanging it) when it takes past `seconds`."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the client still waited after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def prefill(kind: str, url: str, *, return_lse: bool = False, **kwargs: Any) -> Any:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.client.clients import CLIENTS, bounded
 from tests.client.fake_server import (
     FakeServer,
     Request,
@@ -24,7 +25,6 @@ from tests.client.fake_server import (
     safetensors_body,
     trickle,
 )
-from tests.client.test_hostile import CLIENTS, bounded
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.client._memory import MIN_BYTES, AnswerMemory
 

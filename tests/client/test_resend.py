@@ -17,6 +17,7 @@ import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, BatchSpec, make_batch
+from tests.client.clients import CLIENTS
 from tests.client.fake_server import (
     Act,
     KeepAliveServer,
@@ -30,7 +31,6 @@ from tests.client.fake_server import (
 )
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 
-CLIENTS = ["sync", "async"]
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 BATCHES: list[Batch] = [
     make_batch(BATCH_SPECS["ragged"], (2, 64, 32), torch.bfloat16, seed=s)[:4] for s in (0, 1)

@@ -5,19 +5,18 @@ in this process (no service)."""
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import socket
 import struct
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.memfds import UNMAPPABLE
 from tests.regions.region_sockets import refused, running
 from zen_mla import InvalidInputError
 from zen_mla.pool import SharedBuffer
@@ -91,38 +90,6 @@ def test_two_handles_of_one_memfd_are_one_memory_for_overlaps():
     with pytest.raises(InvalidInputError, match=r"out: .*q: \[0, 32\), same memfd"):
         registry.check_disjoint({"q": q, "out": TensorPlace(b.handle, 16, "F32", (8,))}, ("out",))
     registry.check_disjoint({"q": q, "out": TensorPlace(c.handle, 0, "F32", (8,))}, ("out",))
-
-
-def _sealed(seals: int, nbytes: int = 4096, flags: int = 0) -> int:
-    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
-    os.ftruncate(fd, nbytes)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
-
-
-def _read_only() -> int:
-    fd = create_sealed_memfd(4096)
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.close(fd)
-
-
-def _hugetlb() -> int:
-    if Path("/proc/sys/vm/nr_hugepages").read_text().strip() != "0":
-        pytest.skip("this machine has huge pages: a hugetlb memfd maps")
-    return _sealed(fcntl.F_SEAL_SHRINK, 2 << 20, os.MFD_HUGETLB)
-
-
-UNMAPPABLE = {
-    "zero_bytes": (lambda: create_sealed_memfd(0), "at least 1 byte"),
-    "sealed_against_writing": (
-        lambda: _sealed(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
-        "sealed against writing",
-    ),
-    "reopened_read_only": (_read_only, "read-write"),
-    "hugetlb_without_huge_pages": (_hugetlb, "holes.* huge pages"),
-}
 
 
 @pytest.mark.parametrize("case", UNMAPPABLE.values(), ids=UNMAPPABLE.keys())
@@ -321,7 +288,10 @@ def test_a_frame_sent_whole_is_read_in_one_turn_and_never_past_its_end(tmp_path)
         assert recv_frame(s)["ok"]
         assert len(calls) == 1
         s.sendall(encode_frame({"op": "unregister", "region": "a"})[:6])  # cut in its body
-        time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while len(calls) < 2:  # until the server has read the first part (and waits for more)
+            assert time.monotonic() < deadline, "the server never read the frame's first part"
+            time.sleep(0.01)
         s.sendall(encode_frame({"op": "unregister", "region": "a"})[6:])
         assert recv_frame(s)["status"] == 422
         assert len(calls) == 3

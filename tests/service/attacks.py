@@ -1,14 +1,17 @@
 """Attacks on a real server and the legitimate client that must get through them
 (CONTRACT.md, "Abuse"): the attacks connect from 127.0.0.1, the legitimate client from
-127.0.0.2, so the door tells them apart as it tells two hosts apart."""
+127.0.0.2, so the door tells them apart as it tells two hosts apart; `during` times a
+legitimate client's rounds (HTTP here, or the region socket's) while an attack runs."""
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -54,27 +57,75 @@ def legitimate(server: Server) -> float:
     raise AssertionError(f"locked out for {LOCKOUT_S} s: {last!r}")
 
 
-def during(attack: Callable[[threading.Event], None], server: Server, settle_s: float) -> list:
-    """Legitimate requests' latencies (s), one every 0.5 s for a few seconds, while `attack`
-    runs in a thread (it stops when the event is set)."""
+@dataclass
+class Latencies:
+    seconds: list[float]  # each legitimate round's
+    peak_fds: int  # the server's open descriptors, at most, while the attack ran
+
+    def __str__(self) -> str:
+        s = sorted(self.seconds)
+        return (
+            f"{len(s)} rounds, median {statistics.median(s):.3f} s, "
+            f"p90 {s[int(0.9 * (len(s) - 1))]:.3f} s, max {s[-1]:.3f} s, "
+            f"server fds at most {self.peak_fds}"
+        )
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def during(
+    attack: Callable[[threading.Event], None],
+    server: Server,
+    legit: Callable[[], float],
+    *,
+    settle_s: float,
+    rounds: int = 3,
+    seconds: float = 0.0,
+    pause_s: float = 0.0,
+) -> Latencies:
+    """The seconds of legitimate rounds (`legit()` says how long its round took), run one after
+    another while `attack(stop)` runs in a thread, started `settle_s` before the first round
+    (time for the attack to take hold): `rounds` at least, `pause_s` apart, for `seconds` at
+    least. Each round must come within LOCKOUT_S; an exception in the attack is raised here.
+    The server's open descriptors are watched meanwhile (`peak_fds`)."""
     stop = threading.Event()
-    t = threading.Thread(target=attack, args=(stop,), daemon=True)
-    t.start()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            attack(stop)
+        except BaseException as exc:  # reported in the test's thread
+            failure.append(exc)
+
+    pid = server.process.pid
+    peak = [open_fds(pid)]
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], open_fds(pid))
+
+    attacker = threading.Thread(target=run, daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
+    attacker.start()
+    watcher.start()
+    took: list[float] = []
     try:
         time.sleep(settle_s)
-        waits = []
-        for _ in range(4):
-            waits.append(legitimate(server))
-            time.sleep(0.5)
-        # the README's robustness table quotes these (pytest -s shows them)
-        print(
-            f"\n{os.environ.get('PYTEST_CURRENT_TEST', '?')}: legitimate request waited",
-            ", ".join(f"{w * 1e3:.0f} ms" for w in waits),
-        )
-        return waits
+        end = time.monotonic() + seconds
+        while len(took) < rounds or time.monotonic() < end:
+            took.append(legit())
+            assert took[-1] < LOCKOUT_S, f"a legitimate round took {took[-1]:.1f} s"
+            time.sleep(pause_s)
     finally:
         stop.set()
-        t.join(30)
+        attacker.join(30)
+        watcher.join(30)
+    assert not failure, failure
+    latencies = Latencies(took, peak[0])
+    print(f"\n{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {latencies}")  # shown by pytest -s
+    return latencies
 
 
 def silent_heads(server: Server, head: bytes, n: int, stop: threading.Event) -> None:

@@ -1,15 +1,12 @@
-"""Same-host region clients for the service tests: a request laid out in a region, a legitimate
-client's round (hello, register, prefill through regions) timed, and attacks run beside it."""
+"""Same-host region clients for the service tests: a request laid out in a region, and a
+legitimate client's round (hello, register, prefill through regions) timed (attacks.during runs
+it beside an attack)."""
 
 from __future__ import annotations
 
 import mmap
 import os
-import statistics
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 import torch
@@ -94,71 +91,3 @@ def legit_round(server: Server, path: str, token: str | None) -> float:
     finally:
         client.close()
     return time.monotonic() - t0
-
-
-@dataclass
-class Latencies:
-    seconds: list[float]
-    peak_fds: int  # the server's open descriptors, at most, while the attack ran
-
-    def __str__(self) -> str:
-        s = sorted(self.seconds)
-        return (
-            f"{len(s)} rounds, median {statistics.median(s):.3f} s, "
-            f"p90 {s[int(0.9 * (len(s) - 1))]:.3f} s, max {s[-1]:.3f} s, "
-            f"server fds at most {self.peak_fds}"
-        )
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def during(
-    attack: Callable[[threading.Event], None],
-    server: Server,
-    path: str,
-    token: str,
-    seconds: float,
-    settle: float = 0.5,
-) -> Latencies:
-    """Legitimate rounds one after another for `seconds` while `attack(stop)` runs in a thread
-    (started `settle` seconds before the first round); each must come within 15 s, and most
-    within 1 s."""
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            attack(stop)
-        except BaseException as exc:  # reported in the test's thread
-            failure.append(exc)
-
-    peak = [open_fds(server.process.pid)]
-
-    def watch() -> None:
-        while not stop.wait(0.05):
-            peak[0] = max(peak[0], open_fds(server.process.pid))
-
-    attacker = threading.Thread(target=run, daemon=True)
-    watcher = threading.Thread(target=watch, daemon=True)
-    attacker.start()
-    watcher.start()
-    took: list[float] = []
-    try:
-        time.sleep(settle)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end or len(took) < 3:
-            took.append(legit_round(server, path, token))
-            assert took[-1] < 15, f"a legitimate round took {took[-1]:.1f} s"
-    finally:
-        stop.set()
-        attacker.join(30)
-        watcher.join(30)
-    assert not failure, failure
-    latencies = Latencies(took, peak[0])
-    if log := os.environ.get("ZEN_MLA_TEST_LATENCIES"):  # for the README's robustness table
-        with open(log, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {latencies}\n")
-    assert statistics.median(took) < 1, latencies
-    return latencies

@@ -27,16 +27,22 @@ def kill(server: Server) -> None:
 
 
 def requests_counted(
-    server: Server, routes: tuple[str, ...] = ("prefill", "socket"), status: int = 200
+    server: Server, routes: tuple[str, ...] = ("prefill", "socket"), status: int | None = 200
 ) -> int:
-    """The service's own count of prefill calls answered `status` on `routes` (/metrics): over
-    HTTP (`/prefill`) and on the region socket (same host)."""
+    """The service's own count of prefill calls answered `status` (None: any) on `routes`
+    (/metrics): over HTTP (`/prefill`) and on the region socket (same host). A call is counted
+    when its handler ends (a streamed answer may still be on its way; a client gone is a
+    499)."""
     with server.client() as c:
         text = c.get("/metrics").text
     counted = 0
     for route in routes:
-        line = f'zen_mla_requests_total{{route="{route}",status="{status}"}} '
-        counted += sum(int(float(x[len(line) :])) for x in text.splitlines() if x.startswith(line))
+        prefix = f'zen_mla_requests_total{{route="{route}",status="'
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                code, _, n = line[len(prefix) :].partition('"} ')
+                if status is None or code == str(status):
+                    counted += int(float(n))
     return counted
 
 

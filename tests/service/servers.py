@@ -149,3 +149,25 @@ def wait_ready(server: Server, timeout: float = 60) -> dict:
             return health
         assert time.monotonic() < deadline, health
         time.sleep(0.1)
+
+
+def busy_worker(server: Server, timeout: float = 60) -> dict:
+    """`/health`'s entry for a worker once one is busy: it holds a task (stopped or killed from
+    now on, the task is lost with it, not still waiting in a queue)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = server.health()["workers"]
+        busy = [w for w in workers if w["state"] == "busy"]
+        if busy:
+            return busy[0]
+        assert time.monotonic() < deadline, f"no worker took the work within {timeout} s: {workers}"
+        time.sleep(0.02)
+
+
+def wait_draining(server: Server, timeout: float = 10) -> None:
+    """Until `/health` says the server is draining: it has handled the SIGTERM sent it (the
+    signal's handler sets the flag the compute routes read)."""
+    deadline = time.monotonic() + timeout
+    while (health := server.health())["status"] != "draining":
+        assert time.monotonic() < deadline, f"not draining {timeout} s after SIGTERM: {health}"
+        time.sleep(0.02)

@@ -28,7 +28,7 @@ from tests.service.raw import (
     send_quietly,
     wait_for,
 )
-from tests.service.servers import ROOT, Server, serve, server_fixture
+from tests.service.servers import ROOT, Server, serve, server_fixture, wait_draining
 
 # -- one server per parser: header cap, header timeout, connection cap, early answers ---------
 
@@ -330,7 +330,7 @@ def test_a_503_while_draining_reaches_a_connection_close_client(tmp_path):
         t.start()
         wait_for(lambda: server.health()["inflight"] >= 1, 30, "slow request in")
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_draining(server)
         body = bytes(32 * MIB)
         for _ in range(3):
             with server.client() as c:

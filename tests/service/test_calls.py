@@ -23,7 +23,14 @@ from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import lay_out, region_socket
 from tests.service.restart import requests_answered, requests_counted
-from tests.service.servers import Server, serve, server_fixture, wait_ready
+from tests.service.servers import (
+    Server,
+    busy_worker,
+    serve,
+    server_fixture,
+    wait_draining,
+    wait_ready,
+)
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.regions.client import ClientRegion, RegionClient, RegionSet
 from zen_mla.regions.protocol import recv_frame, send_frame
@@ -185,7 +192,7 @@ def test_503_while_draining(tmp_path):
         client.prefill(*small)
         busy = _long_call(s)  # holds the drain open while it runs
         s.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_draining(s)
         with pytest.raises(zen_mla.ServiceUnavailableError, match="draining") as caught:
             client.prefill(*small)
         assert caught.value.retry_after == 5
@@ -208,12 +215,8 @@ def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
     q, k, v, cu = long_batch()
     with RegionSet(client).request({"q": q, "k": k, "v": v, "q_cu_seq_lens": cu}, False) as at:
         send_frame(client._sock, _call_frame(at.places))
-        deadline = time.monotonic() + 30
-        while not any(w["state"] == "busy" for w in tight.health()["workers"]):
-            assert time.monotonic() < deadline, "the call never started"
-            time.sleep(0.02)
         # held mid-work, so that it still runs when the hang-up is seen, however fast the host
-        os.kill(tight.health()["workers"][0]["pid"], signal.SIGSTOP)
+        os.kill(busy_worker(tight, 30)["pid"], signal.SIGSTOP)
         client.close()  # its work has started: it runs on, holding its place
     deadline = time.monotonic() + 30
     while socket_calls(tight, 499) - before < 1:

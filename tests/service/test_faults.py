@@ -17,7 +17,9 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.service.bodies import OCTET, body_of, slow_tensors
-from tests.service.servers import serve, wait_ready
+from tests.service.raw import wait_for
+from tests.service.restart import requests_counted
+from tests.service.servers import busy_worker, serve, wait_ready
 
 
 def tree(server) -> list[int]:
@@ -51,11 +53,7 @@ def test_a_worker_killed_mid_request_is_retried(tmp_path):
         pid = server.health()["workers"][0]["pid"]
         t = threading.Thread(target=run)
         t.start()
-        deadline = time.monotonic() + 60
-        while server.health()["queued"] < 1:  # its body is in and its work handed out
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.5)
+        assert busy_worker(server)["pid"] == pid  # its body is in and its work handed out
         os.kill(pid, signal.SIGKILL)
         t.join(120)
         assert results["r"].status_code == 200
@@ -100,18 +98,34 @@ def test_clients_vanishing_100_times_leak_nothing(server):
                 s.sendall(request_head(len(download)) + download)
                 s.recv(4096)  # the answer has started: go away mid-download
 
+    def all_ended(n: int) -> None:
+        """Until the service has ended `n` requests more than before this test (each counted,
+        a vanished client's as a 499) and holds none."""
+        wait_for(
+            lambda: (
+                requests_counted(server, ("prefill",), None) >= before + n
+                and server.health()["inflight"] == 0
+            ),
+            60,
+            f"the service did not end {n} requests within 60 s",
+        )
+
+    before = requests_counted(server, ("prefill",), None)
     once(0), once(1)  # warm the buffer cache
-    time.sleep(1)
+    all_ended(2)
     pids = tree(server)
     shm, fds0, rss0 = set(os.listdir("/dev/shm")), fds(pids), rss_bytes(pids)
     for i in range(100):
         once(i)
-    deadline = time.monotonic() + 60
-    while server.health()["inflight"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(1)
+    all_ended(102)
     assert tree(server) == pids, "no worker died"
+    # an answer's memory goes back once the transport lets go of it, a connection's socket
+    # once the hang-up is read: after the request ended
+    wait_for(
+        lambda: fds(pids) <= fds0 + 4 and set(os.listdir("/dev/shm")) <= shm,
+        10,
+        "descriptors or shared memory still held 10 s after the requests ended",
+    )
     assert set(os.listdir("/dev/shm")) <= shm
     assert fds(pids) <= fds0 + 4, "descriptors leaked"
     grown = rss_bytes(pids) - rss0

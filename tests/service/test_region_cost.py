@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.memfds import sealed
 from tests.regions.region_sockets import held_bytes, holding, mapping, punch_hole, service_pids
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import Server, serve, server_fixture
@@ -81,11 +82,9 @@ def test_a_sparse_memfd_is_refused_and_costs_the_service_nothing(costly):
     """Issue 30, item 4: a 256 MiB memfd never written (it costs its client nothing) was taken,
     and a call naming it as k and v made a worker fault it all in, charged to the service."""
     name = f"zen-mla-cost-sparse-{os.getpid()}"
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = sealed(fcntl.F_SEAL_SHRINK, 256 * MiB, name=name)
     client = RegionClient(region_socket(costly), None)
     try:
-        os.ftruncate(fd, 256 * MiB)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         with pytest.raises(InvalidInputError, match="268435456 of 268435456 bytes are holes"):
             client.register(fd)
         assert not client.closed  # a refusal, and the connection goes on

@@ -5,7 +5,6 @@ service healthy."""
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import gc
 import json
 import os
@@ -14,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +20,7 @@ import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
+from tests.memfds import UNMAPPABLE
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
@@ -223,43 +222,6 @@ def test_descriptors_that_are_not_sealed_memfds_are_refused(server, tmp_path):
     for fd in (unsealed, plain, r, w, sealed):
         os.close(fd)
     assert server.health()["status"] == "ok"
-
-
-def _zero_bytes() -> int:
-    return create_sealed_memfd(0)
-
-
-def _sealed_against_writing() -> int:
-    fd = os.memfd_create("x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, 4096)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
-    return fd
-
-
-def _reopened_read_only() -> int:
-    fd = create_sealed_memfd(4096)
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.close(fd)
-
-
-def _hugetlb() -> int:
-    if Path("/proc/sys/vm/nr_hugepages").read_text().strip() != "0":
-        pytest.skip("this machine has huge pages: a hugetlb memfd maps")
-    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB
-    fd = os.memfd_create("x", flags)
-    os.ftruncate(fd, 2 << 20)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    return fd
-
-
-UNMAPPABLE = {
-    "zero_bytes": (_zero_bytes, "at least 1 byte"),
-    "sealed_against_writing": (_sealed_against_writing, "sealed against writing"),
-    "reopened_read_only": (_reopened_read_only, "read-write"),
-    "hugetlb_without_huge_pages": (_hugetlb, "huge pages"),
-}
 
 
 @pytest.mark.parametrize("case", UNMAPPABLE.values(), ids=UNMAPPABLE.keys())

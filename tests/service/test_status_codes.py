@@ -17,7 +17,7 @@ import torch
 
 import zen_mla
 from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
-from tests.service.servers import serve, wait_ready
+from tests.service.servers import Server, serve, wait_draining, wait_ready
 from zen_mla.client import PrefillClient
 
 
@@ -35,6 +35,18 @@ def assert_problem(r: httpx.Response, status: int, **fields: str):
     for key, part in fields.items():
         assert part in str(problem[key]), problem
     return problem
+
+
+def replaced(server: Server, pid: int, timeout: float = 60) -> dict:
+    """`/health`'s entry for the worker once it is alive in a process other than `pid` (the
+    service stopped `pid` and started another)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        w = server.health()["workers"][0]
+        if w["alive"] and w["pid"] != pid:
+            return w
+        assert time.monotonic() < deadline, f"worker {pid} not replaced within {timeout} s: {w}"
+        time.sleep(0.1)
 
 
 def assert_healthy(server):
@@ -189,17 +201,11 @@ def test_504_deadline_abandons_the_work_and_frees_the_worker(tmp_path):
             )
         assert_problem(r, 504)
         assert time.monotonic() - t0 < 12
-        deadline = time.monotonic() + 60
-        while True:  # the busy worker was stopped and replaced
-            w = server.health()["workers"][0]
-            if w["alive"] and w["pid"] != pid:
-                break
-            assert time.monotonic() < deadline, w
-            time.sleep(0.1)
+        w = replaced(server, pid)  # the busy worker was stopped and replaced
         assert w["restarts"] == 1
         with pytest.raises(zen_mla.DeadlineExceededError):
             prefill_once(server.url, slow_tensors(16000), kernel="reference", causal=False)
-        time.sleep(0.5)
+        assert replaced(server, w["pid"])["restarts"] == 2  # and again
         wait_ready(server)
         assert prefill_once(server.url, good_tensors()).shape[0] == 233
         assert_healthy(server)
@@ -221,11 +227,10 @@ def test_500_when_workers_keep_dying(tmp_path):
         deadline = time.monotonic() + 120
         while t.is_alive() and time.monotonic() < deadline:
             w = server.health()["workers"][0]
-            if w["alive"] and w["pid"] not in killed and server.health()["queued"]:
-                time.sleep(0.5)  # let it pick the work up
+            if w["state"] == "busy" and w["pid"] not in killed:  # it holds the work
                 os.kill(w["pid"], signal.SIGKILL)
                 killed.add(w["pid"])
-            time.sleep(0.05)
+            time.sleep(0.02)
         t.join(60)
         assert len(killed) == 2
         problem = assert_problem(results["r"], 500, detail="died twice")
@@ -253,7 +258,7 @@ def test_503_while_draining_and_in_flight_work_finishes(tmp_path):
                 assert time.monotonic() < deadline, results  # answered at once, or never came
                 time.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            wait_draining(server)
             r = c.post("/prefill", content=body_of(good_tensors()), headers=OCTET)
             assert_problem(r, 503)
             assert "retry-after" in r.headers
