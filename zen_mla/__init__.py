@@ -6,10 +6,10 @@ thread environment first. The names below load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import errors
+from ._lazy import lazy_names
 from .errors import *  # noqa: F403  (the one exception tree is the package's face)
 
 if TYPE_CHECKING:
@@ -27,8 +27,4 @@ _LAZY = {
     "zentorch_status": ".attention",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
