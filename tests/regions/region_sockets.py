@@ -111,6 +111,20 @@ def mapping(pid: int, name: str) -> bool:
         return False
 
 
+def maps_memfd(pid: int, fd: int) -> bool:
+    """Process `pid` maps the memfd `fd` names (by its inode: other memfds of the same name,
+    left by other tests, do not count)."""
+    inode = str(os.fstat(fd).st_ino)
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(
+                len(parts) > 5 and parts[4] == inode and parts[5].startswith("/memfd:")
+                for parts in (line.split() for line in f)
+            )
+    except FileNotFoundError:
+        return False
+
+
 def holding(pid: int, name: str) -> bool:
     """Process `pid` has a descriptor of a memfd called `name`."""
     with contextlib.suppress(FileNotFoundError):
