@@ -14,16 +14,13 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, BatchSpec, make_batch
 from tests.pool.jobs import run, submit
+from tests.processes import open_fds
 from tests.reference import assert_close_to_reference
 from zen_mla.pool import PoolConfig, WorkerPool
 from zen_mla.pool._messages import RunTask, TaskSpec
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs for two workers")
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _cpus_allowed(pid: int) -> str:
@@ -173,7 +170,7 @@ def test_abandoned_job_frees_its_workers(pool):
 
 @pytest.mark.slow
 def test_shutdown_with_work_in_flight_never_hangs():
-    fds, shm = _open_fds(), set(os.listdir("/dev/shm"))
+    fds, shm = open_fds(), set(os.listdir("/dev/shm"))
     p = WorkerPool(PoolConfig(workers=1)).start()
     big = torch.randn(6000, 8, 192).bfloat16()
     cu = torch.tensor([0, 6000])
@@ -194,16 +191,16 @@ def test_shutdown_with_work_in_flight_never_hangs():
     del jobs
     gc.collect()
     assert set(os.listdir("/dev/shm")) <= shm, "no /dev/shm segment left behind"
-    assert _open_fds() <= fds + 1, "no descriptors left open"
+    assert open_fds() <= fds + 1, "no descriptors left open"
 
 
 def test_no_shared_memory_or_descriptor_leaks_over_many_batches(pool):
     q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS["prefix_cached"], (4, 192, 128), torch.bfloat16)
     run(pool, q, k, v, q_cu, kv_cu).release()
-    fds, shm = _open_fds(), set(os.listdir("/dev/shm"))
+    fds, shm = open_fds(), set(os.listdir("/dev/shm"))
     for _ in range(30):
         run(pool, q, k, v, q_cu, kv_cu, return_lse=True).release()
-    assert _open_fds() <= fds + 2  # the buffer cache may hold a couple more
+    assert open_fds() <= fds + 2  # the buffer cache may hold a couple more
     assert set(os.listdir("/dev/shm")) <= shm
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import time
 
 import pytest
 import torch
 
+from tests.processes import eventually
 from tests.regions.region_sockets import held_bytes, mapping, maps_memfd, punch_hole, running
 from zen_mla import InvalidInputError, ServiceUnavailableError
 from zen_mla.pool import SharedBuffer
@@ -156,22 +156,13 @@ def test_one_users_connections_share_its_budget_on_the_socket(tmp_path):
             assert refusal["status"] == 422 and "over all its connections" in refusal["error"]
             assert r.on_loop(lambda: r.server.registry.bytes_of(os.getuid())) == 64 * KiB
             a.close()
-            assert _eventually(lambda: r.on_loop(lambda: r.server.registry.total_bytes) == 0)
+            assert eventually(lambda: r.on_loop(lambda: r.server.registry.total_bytes) == 0)
             send_frame(b, {"op": "register"}, fds[1])
             assert recv_frame(b)["ok"]
         finally:
             b.close()
             for fd in fds:
                 os.close(fd)
-
-
-def _eventually(done) -> bool:
-    end = time.monotonic() + 2
-    while not done():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # -- release ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from tests.processes import open_fds
 from tests.service.bodies import OCTET, body_of, good_tensors
 from tests.service.raw import address, prefill_head
 from tests.service.servers import Server
@@ -69,10 +70,6 @@ class Latencies:
             f"p90 {s[int(0.9 * (len(s) - 1))]:.3f} s, max {s[-1]:.3f} s, "
             f"server fds at most {self.peak_fds}"
         )
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def during(

@@ -7,7 +7,6 @@ import contextlib
 import json
 import socket
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 from tests.service.servers import Server
@@ -58,20 +57,6 @@ def assert_problem(raw: bytes, code: int) -> dict:
     problem = json.loads(body)
     assert problem["status"] == code and problem["detail"], problem
     return problem
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def wait_for(predicate, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, what
-        time.sleep(0.05)
 
 
 def send_quietly(s: socket.socket, data: bytes) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import rss, wait_for
 from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
 from tests.service.raw import (
     MIB,
@@ -24,9 +25,7 @@ from tests.service.raw import (
     assert_problem,
     prefill_head,
     read_answer,
-    rss,
     send_quietly,
-    wait_for,
 )
 from tests.service.servers import ROOT, Server, serve, server_fixture, wait_draining
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from tests.processes import wait_for
 from tests.service.attacks import (
     LOCKOUT_S,
     Latencies,
@@ -30,7 +31,6 @@ from tests.service.raw import (
     assert_problem,
     prefill_head,
     read_answer,
-    wait_for,
 )
 from tests.service.restart import requests_counted
 from tests.service.servers import Server, serve, server_fixture

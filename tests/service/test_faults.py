@@ -8,7 +8,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -16,8 +15,8 @@ import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
+from tests.processes import open_fds, rss, wait_for
 from tests.service.bodies import OCTET, body_of, slow_tensors
-from tests.service.raw import wait_for
 from tests.service.restart import requests_counted
 from tests.service.servers import busy_worker, serve, wait_ready
 
@@ -27,16 +26,11 @@ def tree(server) -> list[int]:
 
 
 def fds(pids: list[int]) -> int:
-    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids)
+    return sum(open_fds(p) for p in pids)
 
 
 def rss_bytes(pids: list[int]) -> int:
-    total = 0
-    for p in pids:
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    return sum(rss(p) for p in pids)
 
 
 @pytest.mark.slow

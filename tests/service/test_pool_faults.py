@@ -19,6 +19,7 @@ import torch
 
 import zen_mla
 from tests.batches import DTYPES, EMPTY_SPECS, BatchSpec, make_batch
+from tests.processes import open_fds
 from tests.service.bodies import OCTET
 from tests.service.servers import Server, serve
 from zen_mla import wire
@@ -54,10 +55,6 @@ def _address(server: Server) -> tuple[str, int]:
     url = urlparse(server.url)
     assert url.hostname is not None and url.port is not None
     return url.hostname, url.port
-
-
-def _open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _body(nbytes: int) -> bytes:
@@ -96,7 +93,7 @@ def test_running_out_of_descriptors_leaves_the_worker_and_passes(tmp_path):
             """Open or close idle connections until the server has `left` descriptors free."""
             stalled = 0
             for _ in range(2 * limit):
-                before = _open_fds(spid)
+                before = open_fds(spid)
                 if limit - before > left:
                     idle.append(socket.create_connection(_address(server), timeout=5))
                 elif limit - before < left and idle:
@@ -104,9 +101,9 @@ def test_running_out_of_descriptors_leaves_the_worker_and_passes(tmp_path):
                 else:
                     return
                 t0 = time.monotonic()
-                while _open_fds(spid) == before and time.monotonic() - t0 < 1.5:
+                while open_fds(spid) == before and time.monotonic() - t0 < 1.5:
                     time.sleep(0.01)  # until accepted (or accepting fails), or closed
-                stalled = stalled + 1 if _open_fds(spid) == before else 0
+                stalled = stalled + 1 if open_fds(spid) == before else 0
                 if stalled == 3:
                     return  # the server accepts no more
 
@@ -114,7 +111,7 @@ def test_running_out_of_descriptors_leaves_the_worker_and_passes(tmp_path):
             size = 32 << 10
             for left in range(6, -1, -1):  # sizes 32 KiB, 1.1 MiB, 3.3 MiB ... 70 MiB
                 settle(left)
-                answers.append((limit - _open_fds(spid), _post(server, _body(size), timeout=5)))
+                answers.append((limit - open_fds(spid), _post(server, _body(size), timeout=5)))
                 size = 2 * size + (1 << 20) + (64 << 10)  # fits no buffer the cache holds
         finally:
             for s in idle:

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.service.attacks import Latencies, during, open_fds
+from tests.processes import open_fds
+from tests.service.attacks import Latencies, during
 from tests.service.region_clients import legit_round, region_socket
 from tests.service.servers import Server, serve, server_fixture
 from zen_mla.regions.protocol import recv_frame

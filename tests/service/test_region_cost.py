@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import zen_mla
 from tests.memfds import sealed
+from tests.processes import eventually
 from tests.regions.region_sockets import held_bytes, holding, mapping, punch_hole, service_pids
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import Server, serve, server_fixture
@@ -66,15 +66,6 @@ def _registers(client: RegionClient, fd: int) -> bool:
     except InvalidInputError as exc:
         assert "per client" in str(exc), exc
         return False
-    return True
-
-
-def _within(seconds: float, done) -> bool:
-    end = time.monotonic() + seconds
-    while not done():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
     return True
 
 
@@ -158,7 +149,7 @@ def test_the_byte_budget_is_one_users_over_all_its_connections(costly):
         with pytest.raises(InvalidInputError, match=r"at most 402653184 bytes .* per client"):
             clients[2].register(fd)
         clients[0].close()  # its regions end, and their bytes leave the budget
-        assert _within(2.0, lambda: _registers(clients[2], fd))
+        assert eventually(lambda: _registers(clients[2], fd), 2.0)
     finally:
         for client in clients:
             client.close()
@@ -182,7 +173,7 @@ def test_the_mappings_of_a_client_that_left_go_within_a_second(costly, route):
         pids = service_pids(costly.process.pid)
         assert any(mapping(pid, name) for pid in pids)
         client.close()
-        assert _within(1.0, lambda: not any(mapping(pid, name) for pid in pids)), [
+        assert eventually(lambda: not any(mapping(pid, name) for pid in pids), 1.0), [
             pid for pid in pids if mapping(pid, name)
         ]
         assert not holding(costly.process.pid, name)

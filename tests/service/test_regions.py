@@ -21,6 +21,7 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.memfds import UNMAPPABLE
+from tests.processes import open_fds
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
@@ -295,10 +296,6 @@ c.prefill(q, q, q, torch.tensor([0, 6000]), kernel="reference", causal=False)
 """
 
 
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def _memfd_maps(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
         return sum("/memfd:zen-mla-region" in line for line in f)
@@ -306,7 +303,7 @@ def _memfd_maps(pid: int) -> int:
 
 def test_a_client_killed_mid_request_leaks_nothing(server):
     pid = server.process.pid
-    before = (_fds(pid), _memfd_maps(pid))
+    before = (open_fds(pid), _memfd_maps(pid))
     for _ in range(3):
         code = KILLED_CLIENT.format(root=str(ROOT), url=server.url)
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
@@ -319,8 +316,8 @@ def test_a_client_killed_mid_request_leaks_nothing(server):
         child.send_signal(signal.SIGKILL)
         child.wait()
     deadline = time.monotonic() + 60
-    while server.health()["queued"] or (_fds(pid), _memfd_maps(pid)) > before:
-        assert time.monotonic() < deadline, (before, _fds(pid), _memfd_maps(pid))
+    while server.health()["queued"] or (open_fds(pid), _memfd_maps(pid)) > before:
+        assert time.monotonic() < deadline, (before, open_fds(pid), _memfd_maps(pid))
         time.sleep(0.1)
     health = server.health()
     assert health["status"] == "ok", json.dumps(health)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import zen_mla
 from tests.prefill_steps import STEP_SPECS, make_step
+from tests.processes import wait_for
 from tests.reference import assert_close_to_reference, attention_fp64
 from tests.service.restart import kill, requests_answered, serve_on
 from tests.service.servers import free_port, serve
@@ -283,13 +283,6 @@ def test_the_token_is_sent(tmp_path):
             anonymous.run_prefill_new_tokens(q, k, v, False)
 
 
-def _wait_up(link, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not link.up:
-        assert time.monotonic() < deadline, "the link did not find the service again"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_again(
     tmp_path, caplog
@@ -322,7 +315,7 @@ def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_ag
         step("here")  # nothing listens yet
         assert not b.link.up
         with serve_on(port, log) as first:
-            _wait_up(b.link)
+            wait_for(lambda: b.link.up, 60, "the link did not find the service again")
             step("service")
             assert requests_answered(first, 1) == 1
             kill(first)
@@ -330,7 +323,7 @@ def test_outages_at_start_and_mid_run_are_computed_here_and_the_service_found_ag
             step("here")
             assert not b.link.up
         with serve_on(port, log) as second:
-            _wait_up(b.link)
+            wait_for(lambda: b.link.up, 60, "the link did not find the service again")
             step("service")
             assert requests_answered(second, 1) == 1
     said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
