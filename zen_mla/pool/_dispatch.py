@@ -34,7 +34,7 @@ from ._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
 from ._messages import Beat, Forget, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
-from ._traffic import TaskTraffic, worker_lost
+from ._traffic import Owner, TaskTraffic, WorkerState, worker_lost
 from .topology import WorkerSlot
 
 __all__ = ["Dispatcher"]
@@ -43,8 +43,7 @@ log = logging.getLogger("zen_mla.pool")
 #: the longest an idle worker keeps a freed buffer mapped, in seconds (a region whose client
 #: left, say): the dispatcher thread looks in on an idle worker this often
 FORGET_WITHIN = 0.5
-#: who holds a worker: its dispatcher thread, or a borrower (`lend`)
-THREAD, LOAN = "thread", "loan"
+THREAD, LOAN = Owner.THREAD, Owner.LOAN
 
 
 class Dispatcher(TaskTraffic):
@@ -82,23 +81,23 @@ class Dispatcher(TaskTraffic):
         self._lost = lost
         self._stranded = stranded
         self.proc: WorkerProcess | None = None
-        self.state = "starting"  # starting | idle | busy | stuck | stopped
+        self.state = WorkerState.STARTING
         self.queue = TaskQueue()
         self.current: Task | None = None
         self.restarts = 0
         self.heard_at = 0.0  # time.monotonic() of the process's last message
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
-        self.owner: str | None = None  # THREAD, LOAN, or None: nobody uses the process now
+        self.owner: Owner | None = None  # None: nobody uses the process now
         self.lost_why: str | None = None
         self._given_back = threading.Condition(self.lock)
 
     @property
     def ready(self) -> bool:
         """Can take work now (read without the lock: a hint for placing work)."""
-        return self.state in ("idle", "busy")
+        return self.state in (WorkerState.IDLE, WorkerState.BUSY)
 
-    def _set(self, state: str, proc: WorkerProcess | None = None) -> None:
+    def _set(self, state: WorkerState, proc: WorkerProcess | None = None) -> None:
         with self.lock:
             self.state = state
             if proc is not None:
@@ -108,13 +107,13 @@ class Dispatcher(TaskTraffic):
 
     def spawn(self) -> None:
         """Start this worker's first process (not waiting for it to be ready)."""
-        self._set("starting", self._spawn(self.slot))
+        self._set(WorkerState.STARTING, self._spawn(self.slot))
 
     def wait_ready(self, deadline: float) -> None:
         assert self.proc is not None
         self.proc.wait_ready(deadline, self._closed)
         self.heard_at = time.monotonic()
-        self._set("idle")
+        self._set(WorkerState.IDLE)
 
     def start(self) -> None:
         self.thread = threading.Thread(
@@ -134,7 +133,7 @@ class Dispatcher(TaskTraffic):
         if self.thread is not None:
             self.thread.join(timeout=5)
         with self.lock:
-            proc, self.proc, self.state = self.proc, None, "stopped"
+            proc, self.proc, self.state = self.proc, None, WorkerState.STOPPED
         if proc is not None:
             proc.stop()
 
@@ -143,17 +142,17 @@ class Dispatcher(TaskTraffic):
             task, proc = self.current, self.proc
             if task is not None and task.job is job and proc is not None:
                 proc.kill()  # seen dying, then replaced; no one takes it for ready meanwhile
-                self.state = "starting"
+                self.state = WorkerState.STARTING
 
     def lend(self, task: Task) -> WorkerProcess | None:
         """The process, busy with `task` from now on, for a borrower that sends the task and
         reads the answer itself (`send()`, `answer()`); None unless nobody holds the worker and
         it is idle with nothing queued. The borrower must `give_back()`."""
         with self.lock:
-            free = self.owner is None and self.state == "idle" and self.lost_why is None
+            free = self.owner is None and self.state == WorkerState.IDLE and self.lost_why is None
             if not free or self.proc is None or self._closed.is_set() or self.queue.qsize():
                 return None
-            self.owner, self.current, self.state = LOAN, task, "busy"
+            self.owner, self.current, self.state = LOAN, task, WorkerState.BUSY
             return self.proc
 
     def give_back(self, died: str | None = None) -> None:
@@ -162,10 +161,10 @@ class Dispatcher(TaskTraffic):
             if self.owner != LOAN:
                 raise RuntimeError(f"worker {self.slot.id}: given back, but held by {self.owner}")
             self.owner, self.current = None, None
-            if died is None and self.state == "starting":
+            if died is None and self.state == WorkerState.STARTING:
                 died = "was stopped (its job was cancelled)"  # answered as it was killed
             if died is None:
-                self.state = "idle"
+                self.state = WorkerState.IDLE
             else:
                 self.lost_why = died
             self._given_back.notify_all()
@@ -177,13 +176,13 @@ class Dispatcher(TaskTraffic):
         with self.lock:
             proc, state, restarts = self.proc, self.state, self.restarts
             running = proc is not None and proc.is_alive()
-        if state in ("idle", "busy", "stuck") and not running:
-            state = "dead"
+        if state in (WorkerState.IDLE, WorkerState.BUSY, WorkerState.STUCK) and not running:
+            state = WorkerState.DEAD
         return {
             "id": self.slot.id,
             "cpus": list(self.slot.cpus),
             "threads": self.slot.threads,
-            "alive": state in ("idle", "busy"),
+            "alive": state in (WorkerState.IDLE, WorkerState.BUSY),
             "state": state,
             "pid": proc.pid if proc is not None else None,
             "restarts": restarts,
@@ -195,7 +194,7 @@ class Dispatcher(TaskTraffic):
         """Kill the process and start another, retrying with backoff (0.1 s doubling to 5 s)
         until one starts or the pool closes; `stranded` moves the work queued here meanwhile."""
         with self.lock:
-            old, self.proc, self.state = self.proc, None, "starting"
+            old, self.proc, self.state = self.proc, None, WorkerState.STARTING
             self.restarts += 1
         log.warning(
             "worker %d (pid %s) %s; replacing it", self.slot.id, old.pid if old else None, why
@@ -218,7 +217,7 @@ class Dispatcher(TaskTraffic):
         )
         if proc is not None:
             self.heard_at = time.monotonic()
-            self._set("idle", proc)
+            self._set(WorkerState.IDLE, proc)
             log.warning("worker %d replaced (pid %s)", self.slot.id, proc.pid)
 
     def _loop(self) -> None:
@@ -285,7 +284,7 @@ class Dispatcher(TaskTraffic):
             # before (the job is done: skipped) or finds the task current (the worker stopped).
             if task.job.done():
                 return
-            self.current, self.state = task, "busy"  # current left set if _run_on raises
+            self.current, self.state = task, WorkerState.BUSY  # current left set if _run_on raises
         outcome = self._run_on(self.proc, task)
         lost = worker_lost(outcome)
         with self.lock:
@@ -293,8 +292,8 @@ class Dispatcher(TaskTraffic):
             if lost is None:
                 # free for the next call before this one's caller hears of it
                 self.owner = None
-                if self.state == "busy":
-                    self.state = "idle"
+                if self.state == WorkerState.BUSY:
+                    self.state = WorkerState.IDLE
         self.settle(task, outcome)  # a lost task first, so that it need not wait for the respawn
         if lost is not None and not self._closed.is_set():
             self._replace(lost)
@@ -320,8 +319,8 @@ class Dispatcher(TaskTraffic):
         with self.lock:
             if self.owner == THREAD:
                 self.owner = None
-                if self.state == "busy":
-                    self.state = "idle"
+                if self.state == WorkerState.BUSY:
+                    self.state = WorkerState.IDLE
 
     def _replace_if_lost(self) -> bool:
         """Replace a process that died while lent; True if it did."""

@@ -28,6 +28,7 @@ from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
 from ._shm import BufferCache, SharedBuffer, WorkerMappings, tensor_ref
+from ._traffic import WorkerState
 from .topology import WorkerSlot, discover_ccxs, plan_workers
 
 __all__ = ["WorkerPool"]
@@ -273,7 +274,7 @@ class WorkerPool:
         """Run `task` on the least-loaded worker from `loop`'s thread if that worker is idle
         with nothing queued (`_direct`); False: queue it as usual."""
         with self._place_lock:
-            d = min(self._dispatchers, key=lambda o: (o.state != "idle", o.queue.load))
+            d = min(self._dispatchers, key=lambda o: (o.state != WorkerState.IDLE, o.queue.load))
             proc = d.lend(task)
         return proc is not None and DirectRun(d, proc, task, loop, reply).start()
 

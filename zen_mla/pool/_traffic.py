@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -22,9 +23,36 @@ from ._process import SendFailedError, WorkerGoneError, WorkerProcess
 from ._shm import WorkerMappings
 from .topology import WorkerSlot
 
-__all__ = ["Lost", "NotSent", "OutOfTurn", "Outcome", "TaskTraffic", "worker_lost"]
+__all__ = [
+    "Lost",
+    "NotSent",
+    "OutOfTurn",
+    "Outcome",
+    "Owner",
+    "TaskTraffic",
+    "WorkerState",
+    "worker_lost",
+]
 
 log = logging.getLogger("zen_mla.pool")
+
+
+class WorkerState(StrEnum):
+    """Where a worker is, as `WorkerPool.workers()` and /health name it."""
+
+    STARTING = "starting"  # being spawned or replaced
+    IDLE = "idle"
+    BUSY = "busy"
+    STUCK = "stuck"  # silent for `ping_timeout` mid-task
+    DEAD = "dead"  # exited, not noticed yet (reported only)
+    STOPPED = "stopped"  # the pool closed
+
+
+class Owner(StrEnum):
+    """Who holds a worker's pipe: its dispatcher thread, or a borrower (`Dispatcher.lend`)."""
+
+    THREAD = "thread"
+    LOAN = "loan"
 
 
 @dataclass(frozen=True)
@@ -70,7 +98,7 @@ class TaskTraffic:
     _mappings: WorkerMappings
     _lost: Callable[[Task, Any], None]  # (the task, the Dispatcher it was lost on)
     lock: threading.Lock
-    state: str
+    state: WorkerState
     proc: WorkerProcess | None
     heard_at: float
 
@@ -82,9 +110,9 @@ class TaskTraffic:
         if silent <= self._config.ping_timeout:
             return
         with self.lock:  # busy still: a borrower may have given it back idle meanwhile
-            if self.state != "busy":
+            if self.state != WorkerState.BUSY:
                 return
-            self.state = "stuck"
+            self.state = WorkerState.STUCK
             pid = self.proc.pid if self.proc else None
         log.warning(
             "worker %d (pid %s) silent for %.1f s mid-task: stuck", self.slot.id, pid, silent
@@ -93,12 +121,14 @@ class TaskTraffic:
     def heard(self) -> None:
         """A message came from the worker: it is alive (and no longer stuck)."""
         self.heard_at = time.monotonic()
-        if self.state != "stuck":  # (a hint read without the lock: most messages pass here)
+        if (
+            self.state != WorkerState.STUCK
+        ):  # (a hint read without the lock: most messages pass here)
             return
         with self.lock:  # stuck still: a cancel may have stopped it meanwhile
-            again = self.state == "stuck"
+            again = self.state == WorkerState.STUCK
             if again:
-                self.state = "busy"
+                self.state = WorkerState.BUSY
         if again:
             log.warning("worker %d is answering again", self.slot.id)
 
