@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 KERNEL_OPS = {
     "zentorch": "zentorch::zentorch_sdpa",
     "torch": "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "native": "zen_mla::native_attend",
 }
 
 

@@ -11,17 +11,26 @@ import pytest
 import torch
 
 import zen_mla
-from tests.attention.this_host import cpu_is_zen, zentorch_runs
+from tests.attention.this_host import cpu_is_zen, native_runs, zentorch_runs
 from tests.reference import attention_fp64
 from zen_mla import InvalidInputError, KernelUnavailableError
 from zen_mla.attention import select
-from zen_mla.attention.kernels import KERNELS, KernelCall, ZentorchKernel
+from zen_mla.attention.batch import validate
+from zen_mla.attention.driver import attend
+from zen_mla.attention.kernels import KERNELS, NativeKernel, TorchFlashKernel, ZentorchKernel
 from zen_mla.attention.kernels.zentorch import zentorch_op
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 #: whether each registered kernel runs on this host, found without zen_mla's probes
-RUNS_HERE = {"zentorch": zentorch_runs, "torch": lambda: True, "reference": lambda: True}
+RUNS_HERE = {
+    "native": native_runs,
+    "zentorch": zentorch_runs,
+    "torch": lambda: True,
+    "reference": lambda: True,
+}
+#: "auto"'s kernels, in order of preference
+AUTO_KERNELS = ("native", "zentorch", "torch")
 
 
 def _small():
@@ -38,15 +47,19 @@ def test_status_has_the_contract_fields():
     assert set(status) >= {"installed", "version", "ops", "cpu", "auto_kernel", "reason"}
     assert isinstance(status["ops"]["zentorch_sdpa"], bool)
     assert set(status["cpu"]) >= {"vendor", "model", "avx512_bf16"}
-    assert status["auto_kernel"] in ("zentorch", "torch")
+    assert status["auto_kernel"] in AUTO_KERNELS
     if status["auto_kernel"] == "zentorch":
         assert status["ops"]["zentorch_sdpa"] and status["cpu"]["zen"]
+    if status["auto_kernel"] == "native":
+        assert status["native"]["ok"] and status["cpu"]["zen"]
     if status["ops"]["zentorch_sdpa"]:
         assert status["installed"] and status["version"]
-    assert status["lse_kernel"] in ("zentorch", "torch") and status["lse_reason"]
+    assert status["lse_kernel"] in AUTO_KERNELS and status["lse_reason"]
     if status["lse_kernel"] == "zentorch":
         assert status["auto_kernel"] == "zentorch" and status["ops"]["zentorch_sdpa_lse"]
     assert status["ops"]["zentorch_sdpa_lse"] <= status["ops"]["zentorch_sdpa"]
+    assert set(status["native"]) == {"ok", "reason"}
+    assert (status["native"]["reason"] is None) == status["native"]["ok"]
 
 
 @pytest.mark.zentorch
@@ -68,7 +81,7 @@ def test_an_unknown_kernel_is_named():
     assert isinstance(info.value, ValueError)
     assert info.value.name == "kernel"
     assert str(info.value).startswith("kernel: expected ")
-    assert "one of auto, zentorch, torch, reference" in str(info.value)
+    assert "one of auto, native, zentorch, torch, reference" in str(info.value)
     assert "got" in str(info.value)
 
 
@@ -79,10 +92,18 @@ def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
         zentorch_version=None,
         zentorch_failure="zentorch is not installed",
         zentorch_lse_failure="zentorch is not installed",
+        native_failure="zen-mla's native kernel is not available: it was not built",
     )
     monkeypatch.setattr(select, "host_facts", lambda: absent)
     assert zen_mla.zentorch_status()["auto_kernel"] == "torch"
-    assert zen_mla.zentorch_status()["reason"] == "zentorch is not installed"
+    assert zen_mla.zentorch_status()["reason"] == (
+        "zen-mla's native kernel is not available: it was not built; zentorch is not installed; "
+        + TorchFlashKernel.auto_reason
+    )
+    assert zen_mla.zentorch_status()["native"] == {
+        "ok": False,
+        "reason": "zen-mla's native kernel is not available: it was not built",
+    }
     with pytest.raises(KernelUnavailableError, match="zentorch is not installed") as info:
         zen_mla.ragged_attention(**_small(), kernel="zentorch")
     assert isinstance(info.value, ValueError) and info.value.name == "kernel"
@@ -92,11 +113,11 @@ def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
 def _lse_close_to_fp64(kernel) -> bool:
     """The kernel's LSE on one causal MLA-shaped case is within 1e-3 of fp64."""
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 2, 33, 192, generator=gen).bfloat16() for _ in range(3))
-    _, lse = kernel.forward(KernelCall(q, k, v, 192**-0.5, True, None, return_lse=True))
-    ragged = [t[0].transpose(0, 1) for t in (q, k, v)]  # [1, H, S, D] -> [S, H, D]
-    _, want = attention_fp64(*ragged, [0, 33], [0, 33], causal=True, scale=192**-0.5)
-    return bool((lse[0].double() - want).abs().max() < 1e-3)
+    q, k, v = (torch.randn(33, 2, 192, generator=gen).bfloat16() for _ in range(3))
+    cu = torch.tensor([0, 33])
+    _, lse = attend(validate(q, k, v, cu, cu, causal=True, scale=None), kernel, return_lse=True)
+    _, want = attention_fp64(q, k, v, [0, 33], [0, 33], causal=True, scale=192**-0.5)
+    return bool((lse.double() - want).abs().max() < 1e-3)
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -110,7 +131,7 @@ def test_each_kernel_says_whether_it_runs_here(name):
         return
     assert reason is None
     unsuited = kernel.auto_unsuited_reason(host)
-    if kernel is ZentorchKernel and not cpu_is_zen():
+    if kernel in (ZentorchKernel, NativeKernel) and not cpu_is_zen():
         assert unsuited is not None and host.cpu.vendor in unsuited
     else:
         assert unsuited is None
@@ -145,19 +166,29 @@ def test_auto_takes_the_first_kernel_in_order_that_suits_it(dtype, return_lse):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_auto_follows_the_host_facts(dtype):
-    """zentorch on a Zen CPU where its op works, for the dtypes it computes at their own
-    precision (not fp16); torch's flash kernel anywhere else."""
+    """On a Zen CPU: the native kernel for bf16 where it runs, else zentorch where its op works,
+    for the dtypes it computes at their own precision (not fp16); torch's flash kernel anywhere
+    else."""
+    on_native = native_runs() and cpu_is_zen() and dtype == torch.bfloat16
     on_zentorch = zentorch_runs() and cpu_is_zen() and dtype != torch.float16
-    want = "zentorch" if on_zentorch else "torch"
+    want = "native" if on_native else "zentorch" if on_zentorch else "torch"
     assert zen_mla.kernel_choice("auto", dtype).out == want
     if dtype == torch.bfloat16:
+        host = select.host_facts()
         status = zen_mla.zentorch_status()
         assert status["auto_kernel"] == want
+        native_passed_over = NativeKernel.unavailable_reason(
+            host
+        ) or NativeKernel.auto_unsuited_reason(host)
+        zentorch_passed_over = ZentorchKernel.unavailable_reason(
+            host
+        ) or ZentorchKernel.auto_unsuited_reason(host)
         assert status["reason"] == (
-            ZentorchKernel.auto_reason
+            NativeKernel.auto_reason
+            if on_native
+            else f"{native_passed_over}; {ZentorchKernel.auto_reason}"
             if on_zentorch
-            else ZentorchKernel.unavailable_reason(select.host_facts())
-            or ZentorchKernel.auto_unsuited_reason(select.host_facts())
+            else f"{native_passed_over}; {zentorch_passed_over}; {TorchFlashKernel.auto_reason}"
         )
 
 
@@ -179,4 +210,4 @@ def test_a_forced_kernel_runs_or_says_its_own_reason(name, dtype):
     if reason is not None:
         assert f"{name!r} cannot: {reason}" in str(info.value)
     else:
-        assert f"{name!r} cannot: it computes {dtype} at lower precision" in str(info.value)
+        assert f"{name!r} cannot: it takes {kernel.dtypes[0]}" in str(info.value)

@@ -34,3 +34,23 @@ def zentorch_runs() -> bool:
     except Exception:
         return False
     return bool((got.float() - want).abs().max() < 0.05)
+
+
+def native_runs() -> bool:
+    """zen-mla's native extension imports, the CPU has AVX-512 BF16 (/proc/cpuinfo), and the
+    extension agrees with torch's fp32 SDPA on a causal case with MLA's head dims."""
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        return False
+    try:
+        native = importlib.import_module("zen_mla.attention.kernels._native")
+    except ImportError:
+        return False
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(70, 3, 192, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(70, 3, 128, generator=gen).bfloat16()
+    out = torch.empty(70, 3, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 70])
+    native.attend(q, k, v, cu, cu, 192**-0.5, True, out, None)
+    heads_first = [t.float().transpose(0, 1) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*heads_first, is_causal=True).transpose(0, 1)
+    return bool((out.float() - want).abs().max() < 0.05)

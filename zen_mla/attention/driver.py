@@ -1,5 +1,6 @@
 """The ragged-batch driver: a validated varlen batch through one kernel, request run by request
-run (equal-shape neighbours as one strided call), bottom-right causal, V padded once."""
+run (equal-shape neighbours as one strided call), bottom-right causal, V padded once; or, to a
+kernel that takes whole batches (`ragged`), in one call."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def attend(
         out = torch.empty(tq, h, dv, dtype=batch.v.dtype)
     if return_lse and lse is None:
         lse = torch.empty(h, tq, dtype=torch.float32)
-    if kernel.needs_equal_head_dims and dv < dqk:
+    if kernel.ragged:
+        kernel.forward_ragged(batch, out, lse if return_lse else None)
+    elif kernel.needs_equal_head_dims and dv < dqk:
         # The fused kernels want Dv == Dqk: pad V once for the whole batch (one copy, Tk rows)
         # rather than once per request; the padded columns of `out` are never copied out.
         with padded(batch.v, dqk) as v:

@@ -73,3 +73,6 @@ class HostFacts:
     zentorch_failure: str
     #: besides, its LSE route agreed with fp64 on every path of the ragged driver
     zentorch_lse_failure: str
+    #: zen-mla's native kernel is built, the CPU runs it, and its out and LSE agreed with fp64
+    #: on every case of the start-up probe
+    native_failure: str

@@ -19,7 +19,8 @@ from ..errors import InvalidInputError, KernelUnavailableError
 from .batch import validate
 from .driver import attend
 from .host import CpuFacts, HostFacts, cpu_facts
-from .kernels import KERNELS, AttentionKernel, ZentorchKernel
+from .kernels import KERNELS, AttentionKernel, NativeKernel, ZentorchKernel
+from .kernels.native import native_unavailable
 from .kernels.zentorch import zentorch_op
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "host_status",
     "kernel_choice",
     "probe_host_facts",
+    "probe_kernel",
     "probe_lse",
     "probe_op",
     "select_kernel",
@@ -94,14 +96,30 @@ _LSE_PROBE_CASES = (
     (((40, 40), (7, 29)), True, torch.float32),
 )
 
+#: the native kernel's, besides: more than one query block and key block per request (64 x
+#: 256), a last block of one key, empty and one-token requests, MLA's head dims
+_NATIVE_PROBE_CASES = (
+    (((40, 40), (7, 29), (9, 4), (3, 0), (0, 5), (1, 1)), True, torch.bfloat16),
+    (((5, 11), (12, 6), (70, 257)), False, torch.bfloat16),
+    (((130, 300), (300, 130)), True, torch.bfloat16),
+)
+
 
 def probe_lse() -> str:
-    """Run zentorch's LSE route through the ragged driver on `_LSE_PROBE_CASES` against fp64;
+    """zentorch's LSE route against fp64 (`probe_kernel`)."""
+    return probe_kernel(ZentorchKernel)
+
+
+def probe_kernel(kernel: type[AttentionKernel]) -> str:
+    """Run `kernel` with its LSE through the ragged driver on the probe cases against fp64;
     '' when every LSE is within 1e-3 (and -inf exactly where a query sees no key) and every
     `out` within its dtype's rounding, else what went wrong."""
     gen = torch.Generator().manual_seed(0)
-    heads, dqk, dv = 2, 48, 32
-    for lens, causal, dtype in _LSE_PROBE_CASES:
+    native = kernel is NativeKernel
+    heads, dqk, dv = (2, 192, 128) if native else (2, 48, 32)
+    cases = _NATIVE_PROBE_CASES if native else _LSE_PROBE_CASES
+    what = "zen-mla's native kernel" if native else "zentorch_sdpa's LSE route"
+    for lens, causal, dtype in cases:
         q_cu = torch.tensor([0, *itertools.accumulate(sq for sq, _ in lens)])
         kv_cu = torch.tensor([0, *itertools.accumulate(sk for _, sk in lens)])
         q = torch.randn(int(q_cu[-1]), heads, dqk, generator=gen).to(dtype)
@@ -110,9 +128,9 @@ def probe_lse() -> str:
         batch = validate(q, k, v, q_cu, kv_cu, causal=causal, scale=None)
         case = f"{dtype} {'causal' if causal else 'non-causal'} (Sq, Sk) = {list(lens)}"
         try:
-            out, lse = attend(batch, ZentorchKernel, return_lse=True)
+            out, lse = attend(batch, kernel, return_lse=True)
         except Exception as exc:
-            return f"zentorch_sdpa's LSE route raised on {case}: {exc}"
+            return f"{what} raised on {case}: {exc}"
         assert lse is not None
         for i in range(len(lens)):
             qs = slice(int(q_cu[i]), int(q_cu[i + 1]))
@@ -121,13 +139,13 @@ def probe_lse() -> str:
             got_lse = lse[:, qs].double()
             blind = torch.isinf(want_lse)
             if not torch.equal(torch.isinf(got_lse) & (got_lse < 0), blind):
-                return f"zentorch_sdpa's LSE is not -inf exactly where no key is seen, {case}"
+                return f"{what}'s LSE is not -inf exactly where no key is seen, {case}"
             lse_err = _max_error(got_lse[~blind], want_lse[~blind])
             out_err = _max_error(out[qs].double(), want_out)
             out_tol = 0.05 if dtype == torch.bfloat16 else 1e-4
             if not (lse_err < 1e-3 and out_err < out_tol):  # NaN fails too
                 return (
-                    f"zentorch_sdpa's LSE route disagrees with fp64 on {case}: lse error "
+                    f"{what} disagrees with fp64 on {case}: lse error "
                     f"{lse_err:.3g} (allowed 1e-3), out error {out_err:.3g} (allowed {out_tol})"
                 )
     return ""
@@ -137,8 +155,13 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) if want.numel() else 0.0
 
 
+@functools.cache
+def _native_probe() -> str:
+    return native_unavailable() or probe_kernel(NativeKernel)
+
+
 def probe_host_facts() -> HostFacts:
-    """What this host offers, probed now (~20 ms); `host_facts()` keeps the first answer."""
+    """What this host offers, probed now (~30 ms); `host_facts()` keeps the first answer."""
     installed, version, op_ok, failure = _zentorch_probe()
     return HostFacts(
         cpu=cpu_facts(),
@@ -146,6 +169,7 @@ def probe_host_facts() -> HostFacts:
         zentorch_version=version,
         zentorch_failure=failure,
         zentorch_lse_failure=probe_lse() if op_ok else failure,
+        native_failure=_native_probe(),
     )
 
 
@@ -160,7 +184,7 @@ def _cannot_run(kernel: type[AttentionKernel], host: HostFacts, dtype: torch.dty
     reason = kernel.unavailable_reason(host)
     if reason is None and dtype not in kernel.dtypes:
         takes = ", ".join(str(d) for d in kernel.dtypes)
-        reason = f"it computes {dtype} at lower precision (it takes {takes})"
+        reason = f"it takes {takes} only ({dtype} would come at lower precision or not at all)"
     return reason
 
 
@@ -191,11 +215,14 @@ class HostStatus:
     `sdpa_ok`: the op exists *and* ran correctly here; `sdpa_lse_ok`: besides, its LSE route
     passed the start-up probe (every driver path against fp64). `auto_kernel` is what
     `kernel="auto"` resolves to for bf16: the first registered kernel that runs here and suits
-    "auto" (zentorch where the op works and the CPU is a Zen part, else torch). `lse_kernel` is
-    what computes out and lse for `kernel="auto", return_lse=True` on bf16: the first of those
-    whose LSE is trusted here (zentorch where besides its LSE passed the probe, else torch's
-    flash kernel). The reasons say why: the chosen kernel's own, or why the kernels before it
-    were passed over.
+    "auto" (the native kernel where it passed its probe and the CPU is a Zen part, else zentorch
+    where the op works and the CPU is a Zen part, else torch). `lse_kernel` is what computes out
+    and lse for `kernel="auto", return_lse=True` on bf16: the first of those whose LSE is
+    trusted here (native's and zentorch's where their probes passed, torch's flash kernel
+    always). The reasons say why: why each kernel before the chosen one was passed over, then
+    the chosen kernel's own. `native_ok`: zen-mla's native kernel is built, runs on this CPU
+    and passed its start-up probe; `native_reason` says why not where it did not ('' where it
+    did).
     """
 
     installed: bool
@@ -207,6 +234,8 @@ class HostStatus:
     reason: str
     lse_kernel: str
     lse_reason: str
+    native_ok: bool
+    native_reason: str
 
     def as_dict(self) -> dict[str, Any]:
         """The contract's `zentorch_status()` form (JSON-ready)."""
@@ -219,6 +248,7 @@ class HostStatus:
             "reason": self.reason,
             "lse_kernel": self.lse_kernel,
             "lse_reason": self.lse_reason,
+            "native": {"ok": self.native_ok, "reason": self.native_reason or None},
         }
 
 
@@ -235,16 +265,18 @@ def host_status() -> HostStatus:
         sdpa_lse_ok=not host.zentorch_failure and not host.zentorch_lse_failure,
         cpu=host.cpu,
         auto_kernel=auto.name,
-        reason="; ".join(auto_passed_over) or auto.auto_reason,
+        reason="; ".join([*auto_passed_over, auto.auto_reason]),
         lse_kernel=lse_kernel.name,
-        lse_reason="; ".join(lse_passed_over) or lse_kernel.lse_reason,
+        lse_reason="; ".join([*lse_passed_over, lse_kernel.lse_reason]),
+        native_ok=not host.native_failure,
+        native_reason=host.native_failure,
     )
 
 
 def zentorch_status() -> dict[str, Any]:
     """zentorch on this host, probed once: `{"installed", "version", "ops": {"zentorch_sdpa",
-    "zentorch_sdpa_lse"}, "cpu", "auto_kernel", "reason", "lse_kernel", "lse_reason"}` (see
-    `HostStatus`, its typed form)."""
+    "zentorch_sdpa_lse"}, "cpu", "auto_kernel", "reason", "lse_kernel", "lse_reason", "native":
+    {"ok", "reason"}}` (see `HostStatus`, its typed form)."""
     return host_status().as_dict()
 
 

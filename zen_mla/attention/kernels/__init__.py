@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import AttentionKernel, KernelCall
+from .native import NativeKernel
 from .reference import ReferenceKernel
 from .torch_flash import TorchFlashKernel
 from .zentorch import ZentorchKernel
@@ -11,6 +12,7 @@ __all__ = [
     "KERNELS",
     "AttentionKernel",
     "KernelCall",
+    "NativeKernel",
     "ReferenceKernel",
     "TorchFlashKernel",
     "ZentorchKernel",
@@ -19,5 +21,5 @@ __all__ = [
 #: the registered kernels by name, in order of preference: "auto" takes the first that runs
 #: here, suits "auto" and computes the request's dtype at its own precision
 KERNELS: dict[str, type[AttentionKernel]] = {
-    k.name: k for k in (ZentorchKernel, TorchFlashKernel, ReferenceKernel)
+    k.name: k for k in (NativeKernel, ZentorchKernel, TorchFlashKernel, ReferenceKernel)
 }

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from ..batch import RaggedBatch
 from ..host import HostFacts
 
 __all__ = ["AttentionKernel", "KernelCall"]
@@ -44,6 +45,9 @@ class AttentionKernel:
     name: ClassVar[str]
     #: wants `Dv == Dqk`: the driver pads V once per batch and slices the padding off `out`
     needs_equal_head_dims: ClassVar[bool]
+    #: takes the whole ragged batch in one call (`forward_ragged`), bottom-right causal and
+    #: rows that see no key included, rather than runs of equal-length requests (`forward`)
+    ragged: ClassVar[bool] = False
     #: input dtypes computed at their own precision
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
     #: why "auto" takes this kernel where it is the first registered one that suits it
@@ -72,4 +76,12 @@ class AttentionKernel:
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of `call`'s requests: out `[n, H, Sq, Dv]` in q's dtype (any strides)
         and, when `call.return_lse`, lse `[n, H, Sq]` fp32."""
+        raise NotImplementedError
+
+    @classmethod
+    def forward_ragged(
+        cls, batch: RaggedBatch, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> None:
+        """A `ragged` kernel's attention of the whole batch into `out` `[Tq, H, Dv]` and, when
+        given, `lse` `[H, Tq]` fp32 (queries that see no key: out 0, lse -inf)."""
         raise NotImplementedError

@@ -21,6 +21,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -358,6 +359,7 @@ void attend(
     const at::Tensor& kv_cu, double scale, bool causal, at::Tensor& out,
     const c10::optional<at::Tensor>& lse, int64_t bm, int64_t bn) {
   TORCH_CHECK(cpu_supported(), "zen_mla native: this CPU lacks AVX-512 BF16");
+  RECORD_FUNCTION("zen_mla::native_attend", std::vector<c10::IValue>());  // for torch.profiler
   const int64_t heads = q.size(1), dqk = q.size(2), dv = v.size(2);
   check(q, "q", dqk);
   check(k, "k", dqk);

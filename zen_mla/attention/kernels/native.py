@@ -1,0 +1,123 @@
+"""zen-mla's native MLA prefill kernel (`native.cpp`, built at install): the whole ragged batch in
+one call, Dqk and Dv apart (no padded V), bottom-right causal, fp32-accurate LSE."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import RaggedBatch
+from ..host import HostFacts
+from .base import AttentionKernel, KernelCall
+
+__all__ = ["BLOCK_KEYS", "BLOCK_QUERIES", "NativeKernel", "native_module", "native_unavailable"]
+
+#: queries of a work item (one sequence, one head): the rows of each brgemm call
+BLOCK_QUERIES = 64
+#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block is
+#: narrower, rounded up to 16). 64 x 256 keeps a thread's tiles (S, P, acc, a packed K and V
+#: block: ~290 KiB) in a Zen 4 core's 1 MiB L2; measured on a Zen 4 against 64 x 128 and
+#: 32 x 64, it was the fastest on `long`, `mixed` and `chunk`, and `short`'s 64-key sequences
+#: get 64-wide blocks anyway
+BLOCK_KEYS = 256
+
+_MODULE = "zen_mla.attention.kernels._native"
+#: written by setup.py next to where the extension would be when it was not built, with why
+_UNBUILT = Path(__file__).with_name("_native_unbuilt.txt")
+
+
+@functools.cache
+def native_module() -> tuple[ModuleType | None, str]:
+    """The built extension, or None and why it cannot run here ('' where it can)."""
+    try:
+        module = importlib.import_module(_MODULE)
+    except ImportError as exc:
+        try:
+            why = _UNBUILT.read_text().strip()
+        except OSError:
+            why = f"it was not built ({exc})"
+        return None, f"zen-mla's native kernel is not available: {why}"
+    if not module.cpu_supported():
+        return None, "zen-mla's native kernel needs AVX-512 BF16, which this CPU lacks"
+    return module, ""
+
+
+def native_unavailable() -> str:
+    """'' where the extension is built and the CPU runs it, else why not (no probe run)."""
+    return native_module()[1]
+
+
+class NativeKernel(AttentionKernel):
+    """A flash loop over oneDNN's brgemm micro-kernels (AVX-512 BF16 on Zen 4 / Zen 5, AMX on
+    Intel hosts that have it): the driver hands it the whole batch (`forward_ragged`), so the
+    threads share every sequence, head and query block, largest first."""
+
+    name: ClassVar[str] = "native"
+    needs_equal_head_dims: ClassVar[bool] = False
+    ragged: ClassVar[bool] = True
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
+    auto_reason: ClassVar[str] = (
+        "zen-mla's native kernel passed the start-up probe against fp64 and the CPU is AMD Zen, "
+        "where bench/kernel.py measured it faster than zentorch_sdpa"
+    )
+    lse_reason: ClassVar[str] = (
+        "zen-mla's native kernel passed the start-up probe against fp64 (its LSE too)"
+    )
+
+    @classmethod
+    def unavailable_reason(cls, host: HostFacts) -> str | None:
+        return host.native_failure or None
+
+    @classmethod
+    def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
+        if host.cpu.zen:
+            return None
+        return (
+            f"zen-mla's native kernel works, but it was measured faster on AMD Zen only and the "
+            f"CPU is {host.cpu.vendor} (kernel='native' forces it)"
+        )
+
+    @classmethod
+    def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
+        return host.native_failure or None
+
+    @classmethod
+    def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError("the native kernel takes whole batches: forward_ragged")
+
+    @classmethod
+    def forward_ragged(
+        cls, batch: RaggedBatch, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> None:
+        module, why = native_module()
+        assert module is not None, why  # the selector hands it batches only where it runs
+        if batch.q.shape[0] == 0:
+            return
+        # The kernel writes host memory, rows with unit stride; any other `out` takes the result
+        # by a copy.
+        direct = out.device.type == "cpu" and out.stride(-1) == 1
+        dst = out if direct else torch.empty(out.shape, dtype=out.dtype)
+        q, k = batch.q, batch.k
+        if q.shape[-1] % 2:  # the micro-kernels take pairs of bf16: one zero column more
+            q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))
+        module.attend(
+            q,
+            k,
+            batch.v,
+            torch.tensor(batch.q_cu_seq_lens, dtype=torch.int64),
+            torch.tensor(batch.kv_cu_seq_lens, dtype=torch.int64),
+            batch.scale,
+            batch.causal,
+            dst,
+            lse,
+            BLOCK_QUERIES,
+            BLOCK_KEYS,
+        )
+        if dst is not out:
+            out.copy_(dst)
