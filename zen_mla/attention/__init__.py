@@ -91,7 +91,7 @@ def ragged_attention(
         causal: query i of a request sees keys `j <= i + Sk - Sq` (bottom-right aligned).
         return_lse: also return the softmax log-sum-exp, fp32-accurate whatever `kernel`.
         scale: score scale, default `Dqk ** -0.5`.
-        kernel: "auto" | "zentorch" | "torch" | "reference", what computes `out`.
+        kernel: "auto" | "native" | "zentorch" | "torch" | "reference", what computes `out`.
 
     Returns:
         out `[Tq, H, Dv]` in v's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).

@@ -16,7 +16,14 @@ from ..batch import RaggedBatch
 from ..host import HostFacts
 from .base import AttentionKernel, KernelCall
 
-__all__ = ["BLOCK_KEYS", "BLOCK_QUERIES", "NativeKernel", "native_module", "native_unavailable"]
+__all__ = [
+    "BLOCK_KEYS",
+    "BLOCK_QUERIES",
+    "EXTENSION",
+    "NativeKernel",
+    "native_module",
+    "native_unavailable",
+]
 
 #: queries of a work item (one sequence, one head): the rows of each brgemm call
 BLOCK_QUERIES = 64
@@ -27,16 +34,21 @@ BLOCK_QUERIES = 64
 #: get 64-wide blocks anyway
 BLOCK_KEYS = 256
 
-_MODULE = "zen_mla.attention.kernels._native"
+#: the extension's module, built by setup.py from native.cpp
+EXTENSION = "zen_mla.attention.kernels._native"
 #: written by setup.py next to where the extension would be when it was not built, with why
 _UNBUILT = Path(__file__).with_name("_native_unbuilt.txt")
+
+
+def _load() -> ModuleType:
+    return importlib.import_module(EXTENSION)
 
 
 @functools.cache
 def native_module() -> tuple[ModuleType | None, str]:
     """The built extension, or None and why it cannot run here ('' where it can)."""
     try:
-        module = importlib.import_module(_MODULE)
+        module = _load()
     except ImportError as exc:
         try:
             why = _UNBUILT.read_text().strip()
