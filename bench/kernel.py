@@ -34,7 +34,7 @@ def roofline_tflops(reps: int) -> float:
     return 2 * 4096**3 / t / 1e12
 
 
-def methods(spec: c.RefBatch, has_zen: bool) -> dict[str, Callable[[], object]]:
+def methods(spec: c.RefBatch, has_zen: bool, has_native: bool) -> dict[str, Callable[[], object]]:
     """Every method timed on one reference batch, vLLM's first."""
     x = c.make_inputs(spec)
     args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
@@ -47,9 +47,13 @@ def methods(spec: c.RefBatch, has_zen: bool) -> dict[str, Callable[[], object]]:
     if has_zen:
         fns["vllm zen loop"] = lambda: vllm_baseline.zen_loop(*args, causal=causal, scale=scale)
     fns["vllm fp32 lse"] = lambda: vllm_baseline.fp32_lse_path(*args, causal=causal, scale=scale)
-    for kernel in (["zentorch"] if has_zen else []) + ["torch", "auto"]:
+    for kernel in (["native"] if has_native else []) + (["zentorch"] if has_zen else []):
         fns[f"ours {kernel}"] = ours(kernel)
+    fns["ours torch"] = ours("torch")
+    fns["ours auto"] = ours("auto")
     fns["ours lse (auto)"] = ours("auto", lse=True)
+    if has_native:
+        fns["ours lse (native)"] = ours("native", lse=True)
     if has_zen and zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch":
         fns["ours lse (zentorch)"] = ours("zentorch", lse=True)
     fns["ours lse (torch flash)"] = ours("torch", lse=True)
@@ -58,11 +62,12 @@ def methods(spec: c.RefBatch, has_zen: bool) -> dict[str, Callable[[], object]]:
 
 
 def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
-    has_zen = zen_mla.zentorch_status()["ops"]["zentorch_sdpa"]
+    status = zen_mla.zentorch_status()
+    has_zen, has_native = status["ops"]["zentorch_sdpa"], status["native"]["ok"]
     rows, results = [], {}
     for name in batches:
         spec = c.REFERENCE_BATCHES[name]
-        med = c.paired_medians(methods(spec, has_zen), reps)
+        med = c.paired_medians(methods(spec, has_zen, has_native), reps)
         results[name] = med
         flops = c.useful_flops(spec)
         for method, t in med.items():
@@ -148,7 +153,39 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+#: issue 33's targets for the native kernel: no-LSE against the seed's zentorch loop, LSE
+#: against the LSE path before it (zentorch's LSE route), useful rate against the roofline
+NATIVE_TARGETS = {
+    "long": (1.25, None, 0.75),
+    "mixed": (1.25, None, 0.75),
+    "short": (1.0, None, None),
+    "chunk": (1.25, 1.25, 0.6),
+}
+
+
+def native_target_rows(results: dict[str, dict[str, float]], roof: float) -> list[list[str]]:
+    """Per batch: the native kernel against its targets, each figure with its target."""
+    rows = []
+    for name, med in results.items():
+        if "ours native" not in med or "vllm zen loop" not in med:
+            continue
+        speedup, lse_speedup, rate = NATIVE_TARGETS[name]
+        flops = c.useful_flops(c.REFERENCE_BATCHES[name])
+        got = med["vllm zen loop"] / med["ours native"]
+        row = [name, f"{got:.2f}x (>= {speedup}x)"]
+        before = med.get("ours lse (zentorch)", med["ours lse (torch flash)"])
+        got_lse = before / med["ours lse (native)"]
+        row.append(f"{got_lse:.2f}x" + (f" (>= {lse_speedup}x)" if lse_speedup else ""))
+        of_roof = flops / med["ours native"] / 1e12 / roof
+        row.append(f"{of_roof:.2f}" + (f" (>= {rate})" if rate else ""))
+        met = got >= speedup and (not lse_speedup or got_lse >= lse_speedup)
+        row.append("yes" if met and (not rate or of_roof >= rate) else "no")
+        rows.append(row)
+    return rows
+
+
 MEMORY_METHODS = {
+    "native": "ours lse (native)",
     "zentorch": "ours lse (zentorch)",
     "torch": "ours lse (torch flash)",
     "reference": "ours lse reference",
@@ -196,12 +233,19 @@ def main() -> None:
             lse_cost_rows(results),
         )
     )
+    targets = native_target_rows(results, roof)
+    if targets:
+        print("\nThe native kernel against issue 33's targets (paired, same threads)\n")
+        header = ["batch", "vs vLLM zen loop", "LSE vs zentorch LSE route", "of roofline", "met"]
+        print(c.table(header, targets))
     plot(results, c.OUT_DIR / "kernel.png")
     print(f"\nplot: {c.OUT_DIR / 'kernel.png'}")
     if not args.skip_memory:
         mem_rows = []
         for method, label in MEMORY_METHODS.items():
             if method == "zentorch" and not status["ops"]["zentorch_sdpa_lse"]:
+                continue
+            if method == "native" and not status["native"]["ok"]:
                 continue
             b = peak_extra_memory(method, 8192)
             mem_rows.append(["1 x 8192", label, f"{b / 2**30:.2f}"])

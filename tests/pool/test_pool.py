@@ -57,7 +57,14 @@ def test_workers_are_pinned_to_disjoint_cpus(pool):
     assert all(w["threads"] == 1 for w in workers)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("zentorch", marks=pytest.mark.zentorch), "torch"])
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param("native", marks=pytest.mark.native),
+        pytest.param("zentorch", marks=pytest.mark.zentorch),
+        "torch",
+    ],
+)
 @pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
 @pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
 def test_results_equal_in_process(pool, spec, return_lse, kernel):

@@ -314,10 +314,10 @@ def test_kernel_parameters_scale_and_request_id(client, kernel, dtype):
     assert answer["id"] == f"req-{kernel}" and answer["model_version"] == "1"
     params = answer["parameters"]
     if kernel == "auto":
-        assert params["kernel"] in ("zentorch", "torch"), params
+        assert params["kernel"] in ("native", "zentorch", "torch"), params
     else:
         assert params["kernel"] == kernel, params
-    assert params["lse_kernel"] in ("zentorch", "torch", "reference"), params
+    assert params["lse_kernel"] in ("native", "zentorch", "torch", "reference"), params
     out, lse = _outputs(result)
     assert_close_to_reference(q, k, v, q_cu, kv_cu, True, out, lse, scale=0.05)
 

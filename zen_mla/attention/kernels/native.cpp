@@ -125,8 +125,8 @@ struct Seq {
 };
 
 // One key block: which sequence, which tokens (`nn` of them from `n0`), its packed width
-// (`nn` rounded up to 16: the brgemm shapes stay few, 16 widths a block size) and where its
-// columns start among all the blocks' (`col`).
+// (`nn` rounded up to 32: AMX's bf16 tiles take keys 32 deep, and the brgemm shapes stay few,
+// 8 widths a block size) and where its columns start among all the blocks' (`col`).
 struct KeyBlock {
   int64_t seq, n0, nn, width, col;
 };
@@ -395,7 +395,7 @@ void attend(
     Seq s{qc[i], kc[i], qc[i + 1] - qc[i], kc[i + 1] - kc[i], int64_t(blocks.size())};
     seqs.push_back(s);
     for (int64_t n0 = 0; n0 < s.sk; n0 += bn) {
-      const int64_t nn = std::min(bn, s.sk - n0), width = (nn + 15) / 16 * 16;
+      const int64_t nn = std::min(bn, s.sk - n0), width = (nn + 31) / 32 * 32;
       blocks.push_back({i, n0, nn, width, columns});
       columns += width;
     }

@@ -28,7 +28,7 @@ __all__ = [
 #: queries of a work item (one sequence, one head): the rows of each brgemm call
 BLOCK_QUERIES = 64
 #: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block is
-#: narrower, rounded up to 16). 64 x 256 keeps a thread's tiles (S, P, acc, a packed K and V
+#: narrower, rounded up to 32). 64 x 256 keeps a thread's tiles (S, P, acc, a packed K and V
 #: block: ~290 KiB) in a Zen 4 core's 1 MiB L2; measured on a Zen 4 against 64 x 128 and
 #: 32 x 64, it was the fastest on `long`, `mixed` and `chunk`, and `short`'s 64-key sequences
 #: get 64-wide blocks anyway
@@ -116,8 +116,9 @@ class NativeKernel(AttentionKernel):
         direct = out.device.type == "cpu" and out.stride(-1) == 1
         dst = out if direct else torch.empty(out.shape, dtype=out.dtype)
         q, k = batch.q, batch.k
-        if q.shape[-1] % 2:  # the micro-kernels take pairs of bf16: one zero column more
-            q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))
+        extra = -q.shape[-1] % 32
+        if extra:  # AMX's bf16 tiles take Dqk 32 deep: zero columns change no score
+            q, k = F.pad(q, (0, extra)), F.pad(k, (0, extra))
         module.attend(
             q,
             k,
