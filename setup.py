@@ -15,6 +15,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import warnings
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -24,6 +25,8 @@ SOURCE = "zen_mla/attention/kernels/native.cpp"
 REASON_FILE = "_native_unbuilt.txt"
 FLAGS = ["-O3", "-fopenmp"]  # no -march: native.cpp picks AVX-512 per function, loads anywhere
 
+# scripts/bootstrap builds before pip installs numpy; torch says so on import, harmlessly
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, get_cxx_compiler
 except Exception:  # torch is not installed (or does not import): no build, and say so
