@@ -2,11 +2,20 @@
 # zen-mla on an EPYC node: CPU-only torch (no CUDA in the image), zentorch, the project as a wheel.
 
 FROM python:3.11-slim AS build
+# The wheel carries the native kernel (setup.py): g++, and CPU torch to build it against. The
+# build runs without isolation, on this torch: an isolated one would fetch PyPI's CUDA build.
+# g++ unpinned: Debian moves its version with the base image
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install --no-cache-dir build==1.2.2 setuptools==84.2.1 \
+    && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY zen_mla ./zen_mla
 COPY service ./service
-RUN pip install --no-cache-dir build==1.2.2 && python -m build --wheel --outdir /wheels .
+RUN python -m build --wheel --no-isolation --outdir /wheels .
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
