@@ -4,12 +4,13 @@
 FROM python:3.11-slim AS build
 # The wheel carries the native kernel (setup.py): g++, and CPU torch to build it against. The
 # build runs without isolation, on this torch: an isolated one would fetch PyPI's CUDA build.
+# ninja: torch's extension build uses it (without it, a slower path the project does not test).
 # g++ unpinned: Debian moves its version with the base image
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/* \
-    && pip install --no-cache-dir build==1.2.2 setuptools==84.2.1 \
+    && pip install --no-cache-dir build==1.2.2 setuptools==84.2.1 ninja==1.11.1.4 \
     && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

@@ -310,12 +310,15 @@ ZEN_MLA_AVX512 void attend_item(
   const int64_t nb = (it.kend + bn - 1) / bn;
   for (int64_t b = 0; b < nb; ++b) {
     const KeyBlock& kb = blocks[s.first_block + b];
-    const int64_t n0 = kb.n0, nn = std::min(kb.nn, it.kend - n0), width = kb.width;
+    // the keys this item sees of the block (fewer than the block's on a causal diagonal),
+    // rounded up to 32: the padding's scores are computed (K is zero there, or a key past the
+    // diagonal) and masked
+    const int64_t n0 = kb.n0, nn = std::min(kb.nn, it.kend - n0);
+    const int64_t width = std::min(kb.width, (nn + 31) / 32 * 32);
     const bf16* kp = packed_k + kb.col * p.dqk;
     const bf16* vp = packed_v + kb.col * dv;
-    // all `width` columns: the padding's scores are computed (K is zero there) and masked
     at::native::cpublas::brgemm(
-        rows, width, p.dqk, p.q_s0, width, bn, false, q, kp, w.s.get(), true);
+        rows, width, p.dqk, p.q_s0, kb.width, bn, false, q, kp, w.s.get(), true);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t vis = p.causal ? std::min(nn, it.r0 + i + shift - n0 + 1) : nn;
       softmax_row(
@@ -452,6 +455,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "attend", &attend, "ragged attention into out (and lse)", py::arg("q"), py::arg("k"),
       py::arg("v"), py::arg("q_cu_seq_lens"), py::arg("kv_cu_seq_lens"), py::arg("scale"),
-      py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("bm") = 64,
+      py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("bm") = 128,
       py::arg("bn") = 256, py::call_guard<py::gil_scoped_release>());
 }

@@ -26,12 +26,13 @@ __all__ = [
 ]
 
 #: queries of a work item (one sequence, one head): the rows of each brgemm call
-BLOCK_QUERIES = 64
-#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block is
-#: narrower, rounded up to 32). 64 x 256 keeps a thread's tiles (S, P, acc, a packed K and V
-#: block: ~290 KiB) in a Zen 4 core's 1 MiB L2; measured on a Zen 4 against 64 x 128 and
-#: 32 x 64, it was the fastest on `long`, `mixed` and `chunk`, and `short`'s 64-key sequences
-#: get 64-wide blocks anyway
+BLOCK_QUERIES = 128
+#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block, and
+#: the part of a block a causal diagonal shows, are narrower, rounded up to 32). 128 x 256 keeps
+#: a thread's tiles (S, P, acc, a packed K and V block: ~420 KiB) in a Zen 4 / Zen 5 core's
+#: 1 MiB L2. Measured on a Zen 4 (2 threads, paired) against 32, 64, 192 and 256 x 256 and
+#: 64 and 128 x 128: 256 x 256 was 3 % faster on `long` and `chunk` but slower on `mixed`, and
+#: leaves 16 threads a quarter of the items on `chunk`; 64 x 256 was 5-8 % slower on all three
 BLOCK_KEYS = 256
 
 #: the extension's module, built by setup.py from native.cpp
