@@ -50,7 +50,10 @@ def native_runs() -> bool:
     v = torch.randn(70, 3, 128, generator=gen).bfloat16()
     out = torch.empty(70, 3, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 70])
-    native.attend(q, k, v, cu, cu, 192**-0.5, True, out, None)
+    try:
+        native.attend(q, k, v, cu, cu, 192**-0.5, True, out, None)
+    except Exception:  # a micro-kernel oneDNN refuses on this CPU, say
+        return False
     heads_first = [t.float().transpose(0, 1) for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*heads_first, is_causal=True).transpose(0, 1)
     return bool((out.float() - want).abs().max() < 0.05)
