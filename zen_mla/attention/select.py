@@ -96,7 +96,7 @@ _LSE_PROBE_CASES = (
     (((40, 40), (7, 29)), True, torch.float32),
 )
 
-#: the native kernel's, besides: more than one query block and key block per request (64 x
+#: the native kernel's, besides: more than one query block and key block per request (128 x
 #: 256), a last block of one key, empty and one-token requests, MLA's head dims
 _NATIVE_PROBE_CASES = (
     (((40, 40), (7, 29), (9, 4), (3, 0), (0, 5), (1, 1)), True, torch.bfloat16),
@@ -107,24 +107,26 @@ _NATIVE_PROBE_CASES = (
 
 def probe_lse() -> str:
     """zentorch's LSE route against fp64 (`probe_kernel`)."""
-    return probe_kernel(ZentorchKernel)
+    return probe_kernel(ZentorchKernel, _LSE_PROBE_CASES, (2, 48, 32), "zentorch_sdpa's LSE route")
 
 
-def probe_kernel(kernel: type[AttentionKernel]) -> str:
+def probe_kernel(
+    kernel: type[AttentionKernel],
+    cases: tuple[tuple[tuple[tuple[int, int], ...], bool, torch.dtype], ...],
+    heads: tuple[int, int, int],
+    what: str,
+) -> str:
     """Run `kernel` with its LSE through the ragged driver on the probe cases against fp64;
     '' when every LSE is within 1e-3 (and -inf exactly where a query sees no key) and every
     `out` within its dtype's rounding, else what went wrong."""
     gen = torch.Generator().manual_seed(0)
-    native = kernel is NativeKernel
-    heads, dqk, dv = (2, 192, 128) if native else (2, 48, 32)
-    cases = _NATIVE_PROBE_CASES if native else _LSE_PROBE_CASES
-    what = "zen-mla's native kernel" if native else "zentorch_sdpa's LSE route"
+    h, dqk, dv = heads
     for lens, causal, dtype in cases:
         q_cu = torch.tensor([0, *itertools.accumulate(sq for sq, _ in lens)])
         kv_cu = torch.tensor([0, *itertools.accumulate(sk for _, sk in lens)])
-        q = torch.randn(int(q_cu[-1]), heads, dqk, generator=gen).to(dtype)
-        k = torch.randn(int(kv_cu[-1]), heads, dqk, generator=gen).to(dtype)
-        v = torch.randn(int(kv_cu[-1]), heads, dv, generator=gen).to(dtype)
+        q = torch.randn(int(q_cu[-1]), h, dqk, generator=gen).to(dtype)
+        k = torch.randn(int(kv_cu[-1]), h, dqk, generator=gen).to(dtype)
+        v = torch.randn(int(kv_cu[-1]), h, dv, generator=gen).to(dtype)
         batch = validate(q, k, v, q_cu, kv_cu, causal=causal, scale=None)
         case = f"{dtype} {'causal' if causal else 'non-causal'} (Sq, Sk) = {list(lens)}"
         try:
@@ -157,7 +159,9 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @functools.cache
 def _native_probe() -> str:
-    return native_unavailable() or probe_kernel(NativeKernel)
+    return native_unavailable() or probe_kernel(
+        NativeKernel, _NATIVE_PROBE_CASES, (2, 192, 128), "zen-mla's native kernel"
+    )
 
 
 def probe_host_facts() -> HostFacts:
