@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
-from e2e import start_server
+from _server import start_server
 from kernel import cpu_line
 
 import zen_mla

@@ -37,9 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import contextlib
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -60,75 +58,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
+from _server import server_timing, start_server
 
 import zen_mla
 from zen_mla import wire
 from zen_mla.client import PrefillClient
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mla_prefill"
 INPUTS = ("q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens")
 METHODS = ("tcp", "uds", "shm", "shm empty()", "v2 binary", "v2 shm")
 # as_numpy's arrays are views of the (read-only) response bytes; the torch views of them are
 # only read
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-
-def start_server(
-    http: str,
-    uds: str | None = None,
-    system_shm: bool = False,
-    cpus: tuple[int, ...] | None = None,
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`zen-mla serve` (on `cpus` only, where given: its workers find those), ready."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    where = ["--uds", uds] if uds else ["--port", str(port)]
-    env = dict(
-        os.environ,
-        ZEN_MLA_HTTP=http,
-        ZEN_MLA_MAX_BODY_BYTES=str(1 << 30),
-        ZEN_MLA_LOG_LEVEL="warning",
-        ZEN_MLA_SYSTEM_SHM="true" if system_shm else "false",
-    )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from service.cli import main; main()",
-            "serve",
-            *where,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
-    )
-    url = "http://zen-mla" if uds else f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if uds is None or os.path.exists(uds):
-            try:
-                transport = httpx.HTTPTransport(uds=uds) if uds else None
-                with httpx.Client(transport=transport, timeout=2) as client:
-                    if client.get(url + "/health").json()["status"] == "ok":
-                        return proc, url
-            except (httpx.HTTPError, ValueError):
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server ({http}) did not start")
-
-
-def server_timing(response: httpx.Response) -> dict[str, float]:
-    out = {}
-    for part in response.headers.get("server-timing", "").split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        if dur:
-            out[name] = float(dur) / 1e3
-    return out
 
 
 def transfer(url: str, mib: int, direction: str, reps: int) -> tuple[float, float, float]:

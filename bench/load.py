@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
-from e2e import start_server
+from _server import start_server
 
 import zen_mla
 from zen_mla import wire

@@ -4,6 +4,8 @@ before anything runs."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,16 @@ def test_an_unknown_name_is_refused_naming_the_known_ones(capsys):
     err = capsys.readouterr().err
     assert "unknown ['nope']" in err
     assert all(name in err for name in BENCHES)
+
+
+@pytest.mark.parametrize("name", sorted(set(BENCHES) - {"e2e"}))
+def test_a_benchmark_runs_on_the_runtime_dependencies_alone(name):
+    """Where only the service's own dependencies are installed (a GPU node's image): every
+    benchmark but the KServe one imports without tritonclient and its ml_dtypes (on a GPU node
+    bench/step.py and bench/floor.py failed at import, through bench/e2e.py)."""
+    blocked = "import sys; sys.modules['tritonclient'] = sys.modules['ml_dtypes'] = None; "
+    code = blocked + f"sys.path.insert(0, 'bench'); import {name}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCH.parent, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
