@@ -1,5 +1,5 @@
-"""The call floor: what one prefill call costs beyond its kernel, part by part, for 1 and 256
-tokens (H=16, Dqk=192, Dv=128, bf16, causal), paired medians from one run.
+"""The call floor: what one prefill call costs beyond its kernel, part by part, for 1, 256 and
+2048 tokens (H=16, Dqk=192, Dv=128, bf16, causal), medians from one run.
 
     .venv/bin/python bench/floor.py [--reps 200] [--service-cpus half]
 
@@ -14,7 +14,11 @@ Parts, each measured on its own, in this process unless it says otherwise:
 - tcp: `PrefillClient(shared_memory=False)`, the tensors in a safetensors body;
 - regions: `PrefillClient(shared_memory=True)`, the tensors made with `empty()` (no copy), the
   regions JSON over HTTP (POST /prefill) and as a call on the region socket (no HTTP), which
-  the client takes whenever the service offers it.
+  the client takes whenever the service offers it;
+- copies: the caller's CPU tensors into a region (q, k, v) and the answer out of one (out), as
+  the client makes them (`zen_mla.copying.copy_into`), each on its own; and the regions call
+  from the caller's CPU tensors, which makes both (the call an orchestrator makes when its
+  tensors are not in regions of their own).
 Starts one `zen-mla serve --workers 1` on a free loopback port and stops it. `--service-cpus`
 puts the service (and the engine rows' worker) on some CPUs and this process on the others, as
 an orchestrator and the service sit on a GPU node; without it all share every CPU.
@@ -46,15 +50,19 @@ from kernel import cpu_line
 import zen_mla
 from zen_mla import wire
 from zen_mla.client import PrefillClient
+from zen_mla.copying import copy_into
 from zen_mla.engine import EngineConfig, PrefillEngine
 from zen_mla.pool import PoolConfig
 from zen_mla.wire import PrefillOptions
 
-TOKENS = (1, 256)
+TOKENS = (1, 256, 2048)
+BIG = 2048  # timed max(5, reps // 20) times: a 2048-token kernel is 20-130 ms
 OCTET = "application/octet-stream"
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int, tokens: int = 1) -> float:
+    if tokens >= BIG:
+        reps = max(5, reps // 20)
     fn()  # warm
     times = [c.timed(fn) for _ in range(reps)]
     return statistics.median(times) * 1e3
@@ -93,29 +101,29 @@ def main() -> None:
             put(
                 "kernel (in process)",
                 n,
-                median_ms(lambda t=t: zen_mla.ragged_attention(**t), args.reps),
+                median_ms(lambda t=t: zen_mla.ragged_attention(**t), args.reps, n),
             )
             buf = engine.buffer(sum(x.nbytes for x in t.values()) + 4096)
             at, placed = 0, {}
             for name, x in t.items():
                 placed[name] = buf.tensor(at, tuple(x.shape), x.dtype).copy_(x)
                 at += (x.nbytes + 63) // 64 * 64
-            put("prepare", n, median_ms(lambda p=placed: engine.prepare(p), args.reps))
+            put("prepare", n, median_ms(lambda p=placed: engine.prepare(p), args.reps, n))
 
             def through_engine(p=placed, b=buf) -> None:
                 engine.run(engine.prepare(p, PrefillOptions()), inputs=b).result(60).release()
 
-            put("engine (prepare + pool hop + kernel)", n, median_ms(through_engine, args.reps))
+            put("engine (prepare + pool hop + kernel)", n, median_ms(through_engine, args.reps, n))
 
             async def from_loop(p=placed, b=buf) -> None:
                 loop = asyncio.get_running_loop()
                 job = engine.run(engine.prepare(p, PrefillOptions()), inputs=b, loop=loop)
                 (await job.wait(60)).release()
 
-            async def timed_from_loop() -> float:
+            async def timed_from_loop(tokens: int = n) -> float:
                 await from_loop()  # warm
                 times = []
-                for _ in range(args.reps):
+                for _ in range(args.reps if tokens < BIG else max(5, args.reps // 20)):
                     t0 = time.perf_counter()
                     await from_loop()
                     times.append(time.perf_counter() - t0)
@@ -142,13 +150,17 @@ def main() -> None:
                     for name, ms in server_timing(r).items():
                         phases.setdefault(name, []).append(ms * 1e3)
 
-                put("tcp, prebuilt body, answer not decoded", n, median_ms(raw, args.reps))
+                put("tcp, prebuilt body, answer not decoded", n, median_ms(raw, args.reps, n))
                 for name, values in phases.items():
                     put(f"  server: {name}", n, statistics.median(values))
         for n in TOKENS:
             with PrefillClient(url, shared_memory=False) as client:
                 t = tensors(n)
-                put("tcp (PrefillClient)", n, median_ms(lambda t=t: client.prefill(**t), args.reps))
+                put(
+                    "tcp (PrefillClient)",
+                    n,
+                    median_ms(lambda t=t: client.prefill(**t), args.reps, n),
+                )
             with PrefillClient(url, shared_memory=True) as client:
                 t = tensors(n, make=lambda shape, dtype: client.empty(shape, dtype).normal_())
                 regions = client.regions(0)
@@ -159,8 +171,29 @@ def main() -> None:
                     put(
                         f"{part} (PrefillClient, empty())",
                         n,
-                        median_ms(lambda t=t: client.prefill(**t), args.reps),
+                        median_ms(lambda t=t: client.prefill(**t), args.reps, n),
                     )
+                regions.client.hello["calls"] = True
+                mine = tensors(n)  # the caller's own CPU tensors: copied in and out
+                put(
+                    "regions call (PrefillClient, CPU tensors)",
+                    n,
+                    median_ms(lambda m=mine: client.prefill(**m), args.reps, n),
+                )
+                for name in ("q", "k", "v"):
+                    put(
+                        f"  copy in: {name} into a region",
+                        n,
+                        median_ms(lambda a=t[name], b=mine[name]: copy_into(a, b), args.reps, n),
+                    )
+                out = zen_mla.ragged_attention(**mine)
+                region_out = client.empty(out.shape, out.dtype)
+                caller_out = torch.empty_like(out)
+                put(
+                    "  copy out: out from a region",
+                    n,
+                    median_ms(lambda a=caller_out, b=region_out: copy_into(a, b), args.reps, n),
+                )
     finally:
         proc.terminate()
         proc.wait(30)

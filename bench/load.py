@@ -1,6 +1,11 @@
 """Load: N concurrent clients send the reference batches to a server with a small queue.
 
     .venv/bin/python bench/load.py [--clients 16] [--seconds 30] [--max-queue 4]
+        [--workers 1,2,4] [--service-cpus half] [--kernel torch]
+
+`--workers` starts one server per count in turn and `--clients` may list counts too (a row for
+each pair: throughput of concurrent callers, and one caller's latency with `--clients 1,16`),
+which is how `--workers auto`'s choice on a many-core host is measured.
 
 Every answer must be a correct 200 (checked against in-process ragged_attention) or a 429 with
 Retry-After (the client then waits that long). Prints latency percentiles, tokens/s and the
@@ -17,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import httpx
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
 from _server import start_server
+from kernel import cpu_line
 
 import zen_mla
 from zen_mla import wire
@@ -84,21 +91,18 @@ async def client(
                 counts[f"{r.status_code} (unexpected)"] += 1
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=30)
-    parser.add_argument("--max-queue", type=int, default=4)
-    args = parser.parse_args()
-    os.environ["ZEN_MLA_MAX_QUEUE"] = str(args.max_queue)
-    jobs = []
-    for name, spec in c.REFERENCE_BATCHES.items():
-        x = c.make_inputs(spec)
-        want = zen_mla.ragged_attention(*x.values(), causal=spec.causal, kernel="torch")
-        meta = {"causal": str(spec.causal).lower(), "kernel": "torch"}
-        header, chunks = wire.encode(x, meta)
-        jobs.append((name, header + b"".join(bytes(ch) for ch in chunks), want, sum(spec.q_lens)))
-    proc, url = start_server("httptools")
+def measure(
+    jobs: list[tuple[str, bytes, torch.Tensor, int]],
+    workers: str | None,
+    clients: int,
+    seconds: float,
+    cpus: tuple[int, ...] | None,
+) -> tuple[dict[str, int], list[str]]:
+    """One server (`workers` of them, its default where None) under `clients` clients for
+    `seconds`: the answers counted, and the row of latency, throughput and memory."""
+    if workers is not None:
+        os.environ["ZEN_MLA_WORKERS"] = workers
+    proc, url = start_server("httptools", cpus=cpus)
     base = tree_rss(proc.pid)
     peak = [base]
     done = threading.Event()
@@ -111,16 +115,12 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     stats: dict[str, list[float]] = {"latency": []}
-    from collections import defaultdict
-
     counts: defaultdict[str, int] = defaultdict(int)
     t0 = time.monotonic()
-    stop = t0 + args.seconds
+    stop = t0 + seconds
 
     async def run() -> None:
-        await asyncio.gather(
-            *(client(url, jobs, stop, stats, counts, i) for i in range(args.clients))
-        )
+        await asyncio.gather(*(client(url, jobs, stop, stats, counts, i) for i in range(clients)))
 
     try:
         asyncio.run(run())
@@ -132,28 +132,65 @@ def main() -> None:
         proc.wait(timeout=60)
     lat = sorted(stats["latency"])
     p = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1e3 if lat else float("nan")  # noqa: E731
-    rows = [[k, str(v)] for k, v in sorted(counts.items()) if k != "tokens"]
+    row = [
+        workers or "default",
+        str(clients),
+        f"{p(0.5):.0f}",
+        f"{p(0.99):.0f}",
+        f"{statistics.mean(lat) * 1e3:.0f}" if lat else "-",
+        f"{counts['tokens'] / elapsed:.0f}",
+        f"{base >> 20}",
+        f"{peak[0] >> 20}",
+    ]
+    return dict(counts), row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", default="16", help="a count, or a comma list of counts")
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--max-queue", type=int, default=4)
+    parser.add_argument(
+        "--workers", help="comma list of worker counts, one server each (default: its own)"
+    )
+    parser.add_argument("--kernel", default="torch", help="the kernel every request names")
+    parser.add_argument(
+        "--service-cpus",
+        help='the service on these CPUs ("1,3", or "half"), this process on the others',
+    )
+    args = parser.parse_args()
+    cpus = c.split_cpus(args.service_cpus)
+    os.environ["ZEN_MLA_MAX_QUEUE"] = str(args.max_queue)
+    jobs = []
+    for name, spec in c.REFERENCE_BATCHES.items():
+        x = c.make_inputs(spec)
+        want = zen_mla.ragged_attention(*x.values(), causal=spec.causal, kernel=args.kernel)
+        meta = {"causal": str(spec.causal).lower(), "kernel": args.kernel}
+        header, chunks = wire.encode(x, meta)
+        jobs.append((name, header + b"".join(bytes(ch) for ch in chunks), want, sum(spec.q_lens)))
+    counts: defaultdict[str, int] = defaultdict(int)
+    rows = []
+    for workers in args.workers.split(",") if args.workers else [None]:
+        for clients in (int(n) for n in args.clients.split(",")):
+            got, row = measure(jobs, workers, clients, args.seconds, cpus)
+            for k, v in got.items():
+                counts[k] += v
+            rows.append(row)
+            done = f"workers {row[0]}, clients {row[1]}: p50 {row[2]} ms, {row[5]} tokens/s"
+            print(done, flush=True)
     print(
-        f"{args.clients} clients, {args.seconds:.0f} s, max_queue {args.max_queue}, "
+        f"CPU: {cpu_line(zen_mla.zentorch_status())}; service CPUs: {args.service_cpus or 'all'}; "
+        f"{args.seconds:.0f} s a row, max_queue {args.max_queue}, kernel {args.kernel}, "
         f"batches {', '.join(c.REFERENCE_BATCHES)} in turn\n"
     )
-    print(c.table(["answer", "count"], rows))
-    print()
     print(
         c.table(
-            ["p50 ms", "p99 ms", "mean ms", "q tokens/s", "RSS before MiB", "RSS peak MiB"],
-            [
-                [
-                    f"{p(0.5):.0f}",
-                    f"{p(0.99):.0f}",
-                    f"{statistics.mean(lat) * 1e3:.0f}" if lat else "-",
-                    f"{counts['tokens'] / elapsed:.0f}",
-                    f"{base >> 20}",
-                    f"{peak[0] >> 20}",
-                ]
-            ],
+            ["answer", "count"], [[k, str(v)] for k, v in sorted(counts.items()) if k != "tokens"]
         )
     )
+    print()
+    header = ["workers", "clients", "p50 ms", "p99 ms", "mean ms", "q tokens/s"]
+    print(c.table([*header, "RSS before MiB", "RSS peak MiB"], rows))
     bad = sum(v for k, v in counts.items() if "WRONG" in k or "unexpected" in k)
     sys.exit(1 if bad else 0)
 

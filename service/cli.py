@@ -136,7 +136,18 @@ def _status(args: argparse.Namespace) -> int:
 
 
 #: every benchmark under bench/ (a script of its own), and those `zen-mla bench` runs unnamed
-BENCHES = ("kernel", "pool", "e2e", "floor", "step", "copies", "vllm_backend", "load", "gpu")
+BENCHES = (
+    "kernel",
+    "pool",
+    "e2e",
+    "floor",
+    "step",
+    "copies",
+    "vllm_backend",
+    "load",
+    "gpu",
+    "scaling",
+)
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 
 
