@@ -112,6 +112,42 @@ def test_thread_count_changes_nothing():
 
 
 @pytest.mark.native
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"q_cu": torch.tensor([0, 20, 91])}, "within q and k"),  # one past q's last token
+        ({"kv_cu": torch.tensor([0, 30, 20])}, "must rise"),
+        ({"q_cu": torch.tensor([-1, 20, 90])}, "negative"),
+        ({"bn": 48}, "bad blocks"),  # not whole 32s: a tail block would pass its scratch
+        ({"lse": torch.zeros(2, 89)}, "lse shape"),
+        ({"out": torch.zeros(89, 2, 128, dtype=torch.bfloat16)}, "token counts"),
+        ({"q_cu": torch.tensor([0, 20, 90], dtype=torch.int32)}, "Long"),
+    ],
+    ids=["past_q", "falling", "negative", "bn_48", "lse_shape", "out_rows", "int32_cu"],
+)
+def test_the_entry_point_refuses_what_would_read_or_write_out_of_bounds(change, says):
+    """The module's own checks, under the Python kernel's validation: every offset and size it
+    would read or write by, refused with a RuntimeError that says which, never a crash."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(90, 2, 192, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(90, 2, 128, generator=gen).bfloat16()
+    args = {
+        "q_cu": torch.tensor([0, 20, 90]),
+        "kv_cu": torch.tensor([0, 30, 90]),
+        "out": torch.zeros(90, 2, 128, dtype=torch.bfloat16),
+        "lse": torch.zeros(2, 90),
+        "bn": 256,
+    } | change
+    module, _ = native.native_module()
+    assert module is not None
+    with pytest.raises(RuntimeError, match=says):
+        module.attend(
+            q, k, v, args["q_cu"], args["kv_cu"], 192**-0.5, True, args["out"], args["lse"],
+            128, args["bn"],
+        )  # fmt: skip
+
+
+@pytest.mark.native
 def test_strided_inputs_and_outputs():
     """q/k/v slices of a fused buffer are read in place; an `out` and `lse` that are views with
     other strides are written right."""

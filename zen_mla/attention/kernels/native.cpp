@@ -76,7 +76,7 @@ class PackBuffer {
         return;
       }
     }
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);  // never 0
     TORCH_CHECK(p != nullptr, "zen_mla native: out of memory for ", bytes, " bytes");
     ptr_.reset(static_cast<char*>(p));
   }
@@ -337,6 +337,7 @@ ZEN_MLA_AVX512 void attend_item(
 }
 
 void check(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "zen_mla native: ", name, " must be on the CPU");
   TORCH_CHECK(t.dim() == 3, "zen_mla native: ", name, " must be [T, H, D], got ", t.sizes());
   TORCH_CHECK(
       t.scalar_type() == at::kBFloat16, "zen_mla native: ", name, " must be bfloat16, got ",
@@ -369,14 +370,19 @@ void attend(
   check(v, "v", dv);
   check(out, "out", dv);
   TORCH_CHECK(dqk % 2 == 0, "zen_mla native: Dqk must be even, got ", dqk);
-  TORCH_CHECK(bm > 0 && bn > 0 && bn % 16 == 0, "zen_mla native: bad blocks ", bm, "x", bn);
+  // key blocks are 32 wide at their tails (AMX tiles): a block of bn keys must be whole 32s
+  TORCH_CHECK(bm > 0 && bn > 0 && bn % 32 == 0, "zen_mla native: bad blocks ", bm, "x", bn);
   TORCH_CHECK(k.size(1) == heads && v.size(1) == heads && out.size(1) == heads);
+  TORCH_CHECK(k.size(0) == v.size(0) && out.size(0) == q.size(0), "zen_mla native: token counts");
+  TORCH_CHECK(q_cu.device().is_cpu() && kv_cu.device().is_cpu() && q_cu.dim() == 1);
   TORCH_CHECK(q_cu.scalar_type() == at::kLong && kv_cu.scalar_type() == at::kLong);
   TORCH_CHECK(q_cu.is_contiguous() && kv_cu.is_contiguous() && q_cu.numel() == kv_cu.numel());
+  TORCH_CHECK(q_cu.numel() >= 1, "zen_mla native: cu_seq_lens need B + 1 >= 1 entries");
   float* lse_ptr = nullptr;
   int64_t l_s0 = 0, l_s1 = 0;
   if (lse.has_value() && lse->defined()) {
-    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2);
+    TORCH_CHECK(lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->dim() == 2);
+    TORCH_CHECK(lse->size(0) == heads && lse->size(1) == q.size(0), "zen_mla native: lse shape");
     lse_ptr = lse->data_ptr<float>();
     l_s0 = lse->stride(0);
     l_s1 = lse->stride(1);
@@ -394,7 +400,13 @@ void attend(
   std::vector<KeyBlock> blocks;
   std::vector<Item> items;
   int64_t columns = 0;  // packed key columns of one head: the blocks' widths summed
+  // validated by the caller; checked again here, as every offset is memory this reads
+  TORCH_CHECK(qc[0] >= 0 && kc[0] >= 0, "zen_mla native: negative cu_seq_lens");
   for (int64_t i = 0; i < nseq; ++i) {
+    TORCH_CHECK(
+        qc[i] <= qc[i + 1] && kc[i] <= kc[i + 1] && qc[i + 1] <= q.size(0) &&
+            kc[i + 1] <= k.size(0),
+        "zen_mla native: cu_seq_lens must rise and stay within q and k, at sequence ", i);
     Seq s{qc[i], kc[i], qc[i + 1] - qc[i], kc[i + 1] - kc[i], int64_t(blocks.size())};
     seqs.push_back(s);
     for (int64_t n0 = 0; n0 < s.sk; n0 += bn) {
