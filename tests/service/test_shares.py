@@ -207,6 +207,11 @@ def test_a_flood_of_queued_work_delays_another_client_by_one_job_at_most(door):
                     computed.append(_timing(r, "compute"))
                 elif r.status_code == 429:
                     time.sleep(0.01)
+                elif r.status_code == 408 and "the body came slower" in r.text:
+                    # eight threads of this process sending 64 MiB each on 2 vCPUs: one starved
+                    # past the door's 1 s grace is refused as any slow client is (seen once in
+                    # a full run); the flood goes on
+                    continue
                 else:
                     raise AssertionError(r.text)
 
