@@ -3,6 +3,7 @@ CPUs a benchmark and its service run on."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -92,6 +93,14 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def service_cpus_option(parser: argparse.ArgumentParser) -> None:
+    """`--service-cpus`, as every benchmark that starts a service takes it (`split_cpus`)."""
+    parser.add_argument(
+        "--service-cpus",
+        help='the service on these CPUs ("1,3", or "half"), this process on the others',
+    )
 
 
 def split_cpus(service: str | None) -> tuple[int, ...] | None:

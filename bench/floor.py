@@ -78,10 +78,7 @@ def tensors(tokens: int, make=torch.randn) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument(
-        "--service-cpus",
-        help='the service on these CPUs ("1,3", or "half"), this process on the others',
-    )
+    c.service_cpus_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     service_cpus = c.split_cpus(args.service_cpus)

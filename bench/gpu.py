@@ -141,11 +141,12 @@ def pinned_copies(x: Tensors, return_lse: bool) -> Callable[[], object]:
     return run
 
 
-def synced(fn: Callable[[], object], cuda: bool) -> Callable[[], object]:
+def synced(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn`, timed to the end of the device's work it queued."""
+
     def run() -> object:
         got = fn()
-        if cuda:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         return got
 
     return run
@@ -168,8 +169,8 @@ def measure(
         out = torch.empty(sum(spec.q_lens), c.H, c.DV, dtype=torch.bfloat16, device=device)
         fns |= {
             "GPU SDPA": gpu_sdpa(dev, spec.causal),
-            "from CUDA": synced(lambda: client.prefill(*dargs, **kw), cuda),
-            "from CUDA, out=": synced(lambda: client.prefill(*dargs, **kw, out=out), cuda),
+            "from CUDA": synced(lambda: client.prefill(*dargs, **kw)),
+            "from CUDA, out=": synced(lambda: client.prefill(*dargs, **kw, out=out)),
             "pinned copies": pinned_copies(dev, spec.return_lse),
         }
     ref = reference(cpu, spec.causal, device)
@@ -213,10 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--batches", default=",".join(c.REFERENCE_BATCHES))
-    parser.add_argument(
-        "--service-cpus",
-        help='the service on these CPUs ("1,3", or "half"), this process on the others',
-    )
+    c.service_cpus_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     service_cpus = c.split_cpus(args.service_cpus)

@@ -154,10 +154,7 @@ def main() -> None:
         "--workers", help="comma list of worker counts, one server each (default: its own)"
     )
     parser.add_argument("--kernel", default="torch", help="the kernel every request names")
-    parser.add_argument(
-        "--service-cpus",
-        help='the service on these CPUs ("1,3", or "half"), this process on the others',
-    )
+    c.service_cpus_option(parser)
     args = parser.parse_args()
     cpus = c.split_cpus(args.service_cpus)
     os.environ["ZEN_MLA_MAX_QUEUE"] = str(args.max_queue)
