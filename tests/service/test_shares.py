@@ -188,12 +188,15 @@ def _timing(r: httpx.Response, part: str) -> float:
 
 
 def test_a_flood_of_queued_work_delays_another_client_by_one_job_at_most(door):
-    """Eight connections kept the queue full of 4096-token calls: another client's calls got
+    """Eight connections kept the queue full of long calls: another client's calls got
     429 or waited behind the whole queue. Now it takes a place within its share, and its work
     takes its turn: it waits in the queue for at most the flood's job then running and one more
     (the flood is one client), as the service's own Server-Timing says (its queue time against
     the flood's compute times; behind the whole queue it would be four to eight of them)."""
-    big = body_of(_tensors(4096, 16, seed=3))
+    # 16384 tokens of 2 heads: the compute of 4096 of 16 heads twice over in half its bytes.
+    # With 4096 x 16 (64 MiB) the uploads only just outran the work on 2 vCPUs: the queue took
+    # 20 s to hold 4, and in one CI run never did within 60 s; this one holds 4 within 3 s.
+    big = body_of(_tensors(16384, 2, seed=3))
     small = _tensors(64, 16, seed=4)
     small_body = body_of(small)
     computed: list[float] = []  # the flood's jobs' compute seconds
@@ -208,7 +211,7 @@ def test_a_flood_of_queued_work_delays_another_client_by_one_job_at_most(door):
                 elif r.status_code == 429:
                     time.sleep(0.01)
                 elif r.status_code == 408 and "the body came slower" in r.text:
-                    # eight threads of this process sending 64 MiB each on 2 vCPUs: one starved
+                    # eight threads of this process sending big bodies on 2 vCPUs: one starved
                     # past the door's 1 s grace is refused as any slow client is (seen once in
                     # a full run); the flood goes on
                     continue
