@@ -5,6 +5,7 @@ imports it from here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -72,3 +73,37 @@ def server_timing(response: httpx.Response) -> dict[str, float]:
         if dur:
             out[name] = float(dur) / 1e3
     return out
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds spent so far by the service whose main process is `pid`, summed over threads
+    (`/proc/<pid>/task/*/schedstat`, ns resolution, where `stat`'s ticks are 10 ms): "server"
+    (the main process: its event loop, the pool's dispatcher and readers) and "workers" (every
+    process under it: the pool's workers, multiprocessing's resource tracker). Linux only."""
+
+    def own(p: int) -> float:
+        total = 0
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended
+                total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    below, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        below.append(p)
+        todo.extend(children.get(p, []))
+    workers = 0.0
+    for p in below:
+        with contextlib.suppress(OSError):  # a process that ended
+            workers += own(p)
+    return {"server": own(pid), "workers": workers}

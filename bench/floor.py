@@ -18,7 +18,10 @@ Parts, each measured on its own, in this process unless it says otherwise:
 - copies: the caller's CPU tensors into a region (q, k, v) and the answer out of one (out), as
   the client makes them (`zen_mla.copying.copy_into`), each on its own; and the regions call
   from the caller's CPU tensors, which makes both (the call an orchestrator makes when its
-  tensors are not in regions of their own).
+  tensors are not in regions of their own);
+- service CPU a call: the CPU time the service's main process (event loop, dispatcher) and its
+  workers spent per regions call (no HTTP), summed over their threads: with `--service-cpus`
+  both share the service's CPUs, so a call pays the two in turn.
 Starts one `zen-mla serve --workers 1` on a free loopback port and stops it. `--service-cpus`
 puts the service (and the engine rows' worker) on some CPUs and this process on the others, as
 an orchestrator and the service sit on a GPU node; without it all share every CPU.
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
-from _server import server_timing, start_server
+from _server import cpu_seconds, server_timing, start_server
 from kernel import cpu_line
 
 import zen_mla
@@ -171,6 +174,19 @@ def main() -> None:
                         median_ms(lambda t=t: client.prefill(**t), args.reps, n),
                     )
                 regions.client.hello["calls"] = True
+                # where the service's CPU goes in one such call: with --service-cpus the server
+                # and the worker share the service's CPUs, and the call waits for both in turn
+                calls = args.reps if n < BIG else max(5, args.reps // 20)
+                before = cpu_seconds(proc.pid)
+                for _ in range(calls):
+                    client.prefill(**t)
+                after = cpu_seconds(proc.pid)
+                for who in ("server", "workers"):
+                    put(
+                        f"  service CPU a call: {who} (mean)",
+                        n,
+                        (after[who] - before[who]) / calls * 1e3,
+                    )
                 mine = tensors(n)  # the caller's own CPU tensors: copied in and out
                 put(
                     "regions call (PrefillClient, CPU tensors)",
