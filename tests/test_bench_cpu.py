@@ -3,6 +3,7 @@ process's own threads count as "server", every process under it as "workers"."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -10,9 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from _server import cpu_seconds
+# loaded from its file: bench/ on sys.path would shadow names (kernel, pool) for every test
+_spec = importlib.util.spec_from_file_location(
+    "bench_server", Path(__file__).resolve().parents[1] / "bench" / "_server.py"
+)
+assert _spec is not None and _spec.loader is not None
+_server = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_server)
+cpu_seconds = _server.cpu_seconds
 
 # a parent that sleeps in `subprocess.run` while its child spins for 3 s of CPU
 PARENT = (
