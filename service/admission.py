@@ -1,14 +1,21 @@
 """Admission: what the requests let in hold (an upload slot while the body is read, a queue
-place once it is in, bytes of the budget as they arrive), each client's share of them, and
-each request's share, its `Ticket`.
+place once it is in, bytes of the budget for what the service spends on them), each client's
+share of them, and each request's share, its `Ticket`.
 
-A client is what the door can tell apart (`client_of`): the peer's uid on the region socket,
-the peer's address on TCP. Shares are work-conserving: while places are free anyone takes one,
-so a client alone may use every slot, place and byte (the ranks of one orchestrator, often one
-uid or one address, are not slowed by a cap meant for strangers); once they are all taken, a
-client holding less than its share (the cap over the clients holding any, itself counted)
-takes one all the same. So a flood holds the others off no longer than its first places take,
-and the totals stay within twice each cap (the share exemptions add up to one cap at most).
+A client is whom the operator says (`client_of`, `tenants`): the tenant a token names, else the
+peer's uid on the region socket, the peer's address on TCP. Shares are work-conserving: while
+places are free anyone takes one, so a client alone may use every slot, place and byte (the
+ranks of one orchestrator, often one uid or one address, are not slowed by a cap meant for
+strangers). Once they are all taken, a client holding nothing still takes one, and a client
+holding less than its share (the cap over the clients holding any, itself counted) takes one
+more, while the total stays under a hard ceiling, twice the cap (`Shares.ceiling`). So a flood
+holds the others off no longer than its first places take, and a newcomer is kept out only by
+as many other clients as the cap, each holding some.
+
+The bytes charged are what the service will hold for a request, not what its client sends: its
+body's bytes as they arrive; before it is queued, the memory its kernel will allocate (padding,
+packing and tiles, `PrefillRequest.cost`) and its answer's; the kernel's once the work is done,
+the body's once its buffers are back, the answer's once its last byte is sent (`Charge`).
 
 A body being read holds an upload slot (`max_uploads`), never a compute slot: `max_queue`
 counts only requests whose body is in. A small body (`SMALL_BODY` bytes at most: a regions
@@ -24,6 +31,7 @@ how fast the client sends: a 64 MB body sent at once was cut at 0.1 s, 0 bytes r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Hashable
@@ -33,7 +41,15 @@ from zen_mla import QueueFullError
 
 from .settings import Settings
 
-__all__ = ["SMALL_BODY", "Admission", "Shares", "Ticket", "client_of"]
+__all__ = [
+    "HELD_KINDS",
+    "SMALL_BODY",
+    "Admission",
+    "Charge",
+    "Shares",
+    "Ticket",
+    "client_of",
+]
 
 # Bytes an upload may lag behind the minimum rate before it counts as fallen behind: a body
 # comes in socket-sized bursts, not byte by byte.
@@ -41,12 +57,15 @@ DISPLACE_SLACK = 64 << 10
 #: bodies up to this size hold no upload slot (their read is bounded by the door's rate and
 #: deadline like any other, and the connection cap bounds how many there are)
 SMALL_BODY = 16 << 10
+#: what the bytes held for requests are: bodies read, kernels' memory, answers not yet sent
+HELD_KINDS = ("body", "kernel", "answer")
 
 
 def client_of(peer: object) -> Hashable:
-    """The client a connection belongs to, as admission counts it: `("uid", n)` for a region
-    socket peer, `("addr", host)` for a TCP peer, `("local",)` where the peer has no address
-    (a Unix socket for HTTP)."""
+    """The client a connection's peer is, as admission counts it where no tenant token names
+    one: `("uid", n)` for a region socket peer, `("addr", host)` for a TCP peer (the address a
+    trusted proxy forwarded, where the operator names proxies), `("local",)` where the peer has
+    no address (a Unix socket for HTTP)."""
     if isinstance(peer, int):
         return ("uid", peer)
     if isinstance(peer, str) and peer:
@@ -55,19 +74,26 @@ def client_of(peer: object) -> Hashable:
 
 
 class Shares:
-    """`cap` units of one thing (upload slots, queue places, bytes), held by clients."""
+    """`cap` units of one thing (upload slots, queue places, bytes), held by clients; never
+    more than `ceiling`, twice the cap, in all."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
+        self.ceiling = 2 * cap
         self.total = 0
         self.held: Counter[Hashable] = Counter()
 
     def room(self, client: Hashable, n: int = 1) -> bool:
-        """May `client` take `n` more: while the cap allows, or within its share."""
+        """May `client` take `n` more: while the cap allows; past it, under the ceiling, when
+        it holds nothing or stays within its share."""
         if self.total + n <= self.cap:
             return True
-        holders = len(self.held) + (client not in self.held)
-        return self.held[client] + n <= self.cap // holders
+        if self.total + n > self.ceiling:
+            return False
+        mine = self.held[client]
+        if mine == 0:
+            return True
+        return mine + n <= self.cap // len(self.held)
 
     def take(self, client: Hashable, n: int = 1) -> None:
         self.total += n
@@ -90,7 +116,8 @@ class Admission:
     reading: dict[Ticket, None] = field(default_factory=dict)  # bodies holding a slot, in order
     slots: Shares = field(init=False)
     places: Shares = field(init=False)  # bodies in, queued or computing
-    bytes: Shares = field(init=False)  # body bytes held: faulted in while read, whole once in
+    bytes: Shares = field(init=False)  # what the service holds for requests (see the module)
+    held_bytes: Counter[str] = field(default_factory=Counter)  # the same, by kind: body, ...
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -172,17 +199,29 @@ class Admission:
         victim.displace()
         return True
 
-    def charge(self, ticket: Ticket, nbytes: int) -> None:
-        """`nbytes` more of the budget for `ticket`, or QueueFullError (429)."""
+    def charge(self, ticket: Ticket, nbytes: int, kind: str = "body") -> None:
+        """`nbytes` more of the budget for `ticket`'s `kind` of memory ("body", "kernel",
+        "answer"), or QueueFullError (429)."""
+        if nbytes <= 0:
+            return
         if not self.bytes.room(ticket.client, nbytes):
             raise QueueFullError(
-                f"{self.bytes.total} bytes of request bodies are held "
-                f"({self.bytes.held[ticket.client]} of them this client's); {nbytes} more "
-                f"would pass the {self.bytes.cap} byte budget",
+                f"{self.bytes.total} bytes are held for requests "
+                f"({self.bytes.held[ticket.client]} of them for this client's); {nbytes} more "
+                f"({kind}) would pass the {self.bytes.cap} byte budget",
                 retry_after=1,
             )
-        self.bytes.take(ticket.client, nbytes)
-        ticket.charged += nbytes
+        self.take(ticket.client, kind, nbytes)
+        ticket.held[kind] += nbytes
+
+    def take(self, client: Hashable, kind: str, nbytes: int) -> None:
+        self.bytes.take(client, nbytes)
+        self.held_bytes[kind] += nbytes
+
+    def give(self, client: Hashable, kind: str, nbytes: int) -> None:
+        if nbytes:
+            self.bytes.give(client, nbytes)
+            self.held_bytes[kind] -= nbytes
 
 
 class Ticket:
@@ -194,7 +233,7 @@ class Ticket:
         self.client = client
         self.started = time.monotonic()
         self.got = 0  # body bytes in so far
-        self.charged = 0  # bytes of the budget held
+        self.held: Counter[str] = Counter()  # bytes of the budget held, by kind
         self.displaced = False
         self.timer: asyncio.Timeout | None = None  # the body reader's, while it runs
         self._queued = False
@@ -209,9 +248,23 @@ class Ticket:
         if timer is not None and not timer.expired():
             timer.reschedule(asyncio.get_running_loop().time())
 
-    def charge(self, nbytes: int) -> None:
-        """`nbytes` more of the byte budget, or QueueFullError (429)."""
-        self._admission.charge(self, nbytes)
+    @property
+    def charged(self) -> int:
+        """Bytes of the budget held for the body."""
+        return self.held["body"]
+
+    def charge(self, nbytes: int, kind: str = "body") -> None:
+        """`nbytes` more of the byte budget for `kind`, or QueueFullError (429)."""
+        self._admission.charge(self, nbytes, kind)
+
+    def refund(self, kind: str) -> None:
+        """The bytes held for `kind` back to the budget."""
+        self._admission.give(self.client, kind, self.held.pop(kind, 0))
+
+    def keep(self, kind: str) -> Charge:
+        """The bytes held for `kind`, moved out of this ticket into a `Charge` of their own
+        (held past the ticket's close: an answer's until its last byte is sent)."""
+        return Charge(self._admission, self.client, kind, self.held.pop(kind, 0))
 
     def uploaded(self) -> None:
         """The body is in (or its read ended): its upload slot, if it held one, is free."""
@@ -236,6 +289,29 @@ class Ticket:
         a = self._admission
         if self._queued:
             a.places.give(self.client)
-        a.bytes.give(self.client, self.charged)
-        self.charged = 0
+        for kind, nbytes in self.held.items():
+            a.give(self.client, kind, nbytes)
+        self.held.clear()
         a.inflight -= 1
+
+
+class Charge:
+    """Bytes of the budget held for `client` apart from any ticket; `close()` gives them back,
+    once. Owner: the event loop's thread, as `Admission`'s; `close_soon()` may be called from
+    any thread (a buffer's finalizer) and closes it there."""
+
+    def __init__(self, admission: Admission, client: Hashable, kind: str, nbytes: int) -> None:
+        self._admission = admission
+        self.client = client
+        self.kind = kind
+        self.nbytes = nbytes
+        self._loop = asyncio.get_running_loop()
+
+    def close(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        self._admission.give(self.client, self.kind, nbytes)
+
+    def close_soon(self) -> None:
+        # a closed loop: the service is gone, and its counters with it
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.close)

@@ -6,17 +6,16 @@ on the region socket (`CallDoor`), whose bytes the socket's one frame reader rea
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Hashable
 from typing import Any
 
 from fastapi import Request
 
-from zen_mla import InvalidInputError, LengthRequiredError, UnauthorizedError
+from zen_mla import InvalidInputError, LengthRequiredError
 
 from .admission import client_of
 from .body import Receive
-from .settings import Settings
+from .tenants import Tenants
 
 __all__ = ["CallDoor", "Door", "HttpDoor", "byte_count"]
 
@@ -31,7 +30,8 @@ def byte_count(raw: str) -> int | None:
 
 
 class HttpDoor:
-    """An HTTP request: its client is the peer's address, its token the bearer token, its
+    """An HTTP request: its client is the tenant its bearer token names, else the peer's address
+    (a proxy's X-Forwarded-For only where the operator trusts that proxy: see `tenants`), its
     bytes the body its Content-Length announces."""
 
     def __init__(self, request: Request) -> None:
@@ -39,16 +39,15 @@ class HttpDoor:
         self.client: Hashable = client_of(request.client.host if request.client else None)
         self.receive: Receive = request.receive
 
-    def authorize(self, settings: Settings) -> None:
-        """The bearer token, where one is set (UnauthorizedError otherwise)."""
-        if settings.api_token is not None:
-            auth = self.request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            good = settings.api_token.get_secret_value().encode()
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), good):
-                raise UnauthorizedError(
-                    "a valid bearer token is required (Authorization: Bearer ...)"
-                )
+    def authorize(self, tenants: Tenants) -> None:
+        """The bearer token, where one is required (UnauthorizedError otherwise); the client is
+        the tenant it names, where tenants have tokens."""
+        if not tenants.required:
+            return
+        scheme, _, token = self.request.headers.get("authorization", "").partition(" ")
+        tenant = tenants.client(token if scheme.lower() == "bearer" else None)
+        if tenant is not None:
+            self.client = tenant
 
     def content_length(self) -> int:
         """The body's announced size (LengthRequiredError where none is readable)."""
@@ -79,7 +78,7 @@ class CallDoor:
         self.client: Hashable = client_of(uid)
         self._gone = gone
 
-    def authorize(self, settings: Settings) -> None:
+    def authorize(self, tenants: Tenants) -> None:
         """Nothing to check: the socket's hello did."""
 
     def body(self) -> bytes:

@@ -42,7 +42,12 @@ class Metrics:
             self.tokens["kv"] += kv
 
     def render(
-        self, queue_depth: int, uploads: int, workers_alive: int, worker_restarts: int
+        self,
+        queue_depth: int,
+        uploads: int,
+        workers_alive: int,
+        worker_restarts: int,
+        held_bytes: dict[str, int],
     ) -> str:
         out = []
 
@@ -80,6 +85,14 @@ class Metrics:
         out.append(f"zen_mla_queue_depth {queue_depth}")
         family("uploads", "gauge", "Request bodies being read.")
         out.append(f"zen_mla_uploads {uploads}")
+        family(
+            "held_bytes",
+            "gauge",
+            "Bytes held for requests, charged to their clients: bodies read, the kernels' memory "
+            "of queued and running work, answers not yet sent.",
+        )
+        for kind, n in held_bytes.items():
+            out.append(f'zen_mla_held_bytes{{kind="{kind}"}} {n}')
         family("workers_alive", "gauge", "Worker processes alive.")
         out.append(f"zen_mla_workers_alive {workers_alive}")
         family("worker_restarts_total", "counter", "Worker processes replaced after dying.")

@@ -7,9 +7,12 @@ region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in
                reader (`body`) or the socket's frame, within the request's deadline
     decode     the form makes the bytes its tensors and options (`Form.decode`)
     prepare    validated once, within the caps, kernels chosen (`PrefillEngine.prepare`)
+    charge     what the kernel will allocate and the answer will hold, to the client's bytes
     run        queued for the client (round-robin between clients), waited for within the
                deadline while the door watches for a hang-up (`compute`)
-    answer     the inputs' buffers back first, then the form writes the answer
+    answer     the kernel's bytes and the inputs' buffers back first, then the form writes the
+               answer, whose bytes stay charged until its last byte is sent (or it is cut for
+               being read slower than the door's minimum rate)
     account    whatever happened: admission and buffers given back, metrics, the log line
 
 The form supplies only the read and the answer (`form`); the door only who sent it and where
@@ -34,6 +37,7 @@ from zen_mla import (
     BodyTooLargeError,
     InternalError,
     KernelError,
+    WorkTooLargeError,
     ZenMLAError,
     status_of,
 )
@@ -48,6 +52,7 @@ from zen_mla.engine import (
 )
 
 from .admission import Ticket
+from .answer import Streamed
 from .body import SMALL_BYTES, give_back, read_body
 from .doors import CallDoor, Door
 from .forms.base import Expect, Form, RequestRecord, Work
@@ -79,7 +84,7 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
     try:
         if form.computes:
             ready_engine(state)
-        door.authorize(state.settings)
+        door.authorize(state.tenants)
         expect = form.expect(state.settings, door)
         engine = _engine(state)
         body = await _read(state, door, expect, record, held)
@@ -176,6 +181,8 @@ async def _run(
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)
+    assert held.ticket is not None, "read first"
+    _charge(held.ticket, prepared, places, state.settings)
     try:
         result = await compute(
             state,
@@ -190,10 +197,43 @@ async def _run(
     except KernelError as exc:
         form.explain(exc)
         raise
+    ticket = held.ticket
+    ticket.refund("kernel")  # its work is done
     await held.give_back(engine)  # the inputs' memory, before the answer goes out
+    ticket.refund("body")
     if places is not None:
         result.release()  # written where the caller said: no memory of the pool's to keep
-    return await form.answer(result, record)
+    charge = ticket.keep("answer")  # until the answer's memory is back: its last byte sent
+    try:
+        answer = await form.answer(result.when_released(charge.close_soon), record)
+    except BaseException:
+        charge.close()
+        raise
+    if isinstance(answer, Streamed):
+        answer.pace(state.settings.min_body_rate, state.settings.body_grace_s)
+    return answer
+
+
+def _charge(
+    ticket: Ticket, prepared: PrefillRequest, places: OutputPlaces | None, settings: Settings
+) -> None:
+    """What `prepared` will cost the service, to its client's share of the bytes before it is
+    queued: the kernel's memory, and the answer's where it is the pool's (not written where the
+    caller said). One request may hold at most the whole budget (422 above: it never fits);
+    QueueFullError (429) while others hold what it needs."""
+    cost = prepared.cost
+    answer = cost.result_bytes if places is None else 0
+    need = ticket.charged + cost.workspace_bytes + answer
+    if need > settings.max_inflight_bytes:
+        raise WorkTooLargeError(
+            "memory",
+            f"at most {settings.max_inflight_bytes} bytes held for one request (the service's "
+            "max_inflight_bytes)",
+            f"{need} (body {ticket.charged}, kernel {cost.workspace_bytes}, answer {answer})",
+            "Split the batch into smaller requests",
+        )
+    ticket.charge(cost.workspace_bytes, "kernel")
+    ticket.charge(answer, "answer")
 
 
 @dataclass

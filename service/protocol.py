@@ -8,6 +8,8 @@
   (httptools has no limit of its own: a 128 MiB header took 20 s to parse and stalled others);
 - a header timeout: a connection that has not delivered a request's headers within it, from
   its start or from the last answer, is answered 408 and closed (idle and slowloris clients);
+- a cut: each request's scope carries the connection's `cut` (`answer.CUT`), which aborts it,
+  dropping what the transport holds (an answer its client stopped reading);
 - a lingering close: when a connection closes with request bytes still coming (an early 413,
   503, 408, 431, or a client that sent `Connection: close`), the answer is followed by a FIN
   and the input is read and dropped for a bounded time and size before the socket closes.
@@ -32,6 +34,7 @@ from zen_mla import (
     ZenMLAError,
 )
 
+from .answer import CUT
 from .problems import problem_bytes
 
 __all__ = ["REFUSALS_ANSWERED", "ConnectionLimits", "protocol_class"]
@@ -61,9 +64,17 @@ class _Guarded(asyncio.Protocol):
     connections: Any
     cycle: Any
     loop: asyncio.AbstractEventLoop
+    app: Any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real = cast(asyncio.Transport, transport)
+        app = self.app
+
+        async def with_cut(scope: Any, receive: Any, send: Any) -> None:
+            scope[CUT] = self.cut
+            await app(scope, receive, send)
+
+        self.app = with_cut
         self._head_bytes = 0  # bytes of the request head being read, so far
         self._lingering = False
         self._dropped = 0
@@ -179,6 +190,12 @@ class _Guarded(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def cut(self) -> None:
+        """Abort the connection: what it has not sent is dropped, nothing more is read."""
+        self._lingering = True
+        self._cancel_timer()
+        self._real.abort()
 
     def refuse(self, exc: ZenMLAError) -> None:
         """Answer `exc` as problem+json on the connection itself, and close it lingering."""

@@ -87,6 +87,10 @@ def build_server(settings: Settings, fd_limit: int) -> DrainingServer:
         uds=settings.uds,
         http=protocol_class(settings.http, limits),
         loop="uvloop",
+        # A client is its peer: a forwarded address only from the proxies the operator names
+        # (uvicorn trusts X-Forwarded-For from 127.0.0.1 unless told otherwise).
+        proxy_headers=settings.forwarded_allow_ips is not None,
+        forwarded_allow_ips=settings.forwarded_allow_ips or "",
         log_level=settings.log_level,
         # the pool drains itself; uvicorn's own wait only covers sending the last bytes
         timeout_graceful_shutdown=5,

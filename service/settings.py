@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .tenants import read_tenants
+
 
 class Settings(BaseSettings):
     """Every field is also the environment variable `ZEN_MLA_<FIELD>` (upper case) and, secrets
@@ -28,6 +30,17 @@ class Settings(BaseSettings):
         description="bearer token guarding every route but health, metrics and metadata, and "
         "the region socket",
     )
+    tenants_file: str | None = Field(
+        None,
+        description="tenant tokens, one 'NAME TOKEN' a line: a request's client is the tenant "
+        "its bearer token names, each with its own share (the api_token, where set, is one more "
+        "tenant); off: a client is its peer address",
+    )
+    forwarded_allow_ips: str | None = Field(
+        None,
+        description="proxies (addresses or networks, comma-separated; '*' any) whose "
+        "X-Forwarded-For names the client; off: no forwarded header is trusted from anywhere",
+    )
     max_body_bytes: int = Field(1 << 30, gt=0, description="413 above this Content-Length")
     max_queue: int = Field(
         8, ge=1, description="requests whose body is in, queued or computing at once; 429 above"
@@ -41,12 +54,18 @@ class Settings(BaseSettings):
     max_inflight_bytes: int = Field(
         4 << 30,
         gt=0,
-        description="body bytes held in memory (as they arrive, not as announced); 429 above",
+        description="bytes the requests hold: bodies as they arrive, then each request's kernel "
+        "memory and answer until its last byte is sent; 429 above",
     )
     min_body_rate: float = Field(
-        1e6, ge=0, description="bytes/s a body must average after the grace; 408 below; 0: off"
+        1e6,
+        ge=0,
+        description="bytes/s a body must arrive at and an answer be read at, on average after "
+        "the grace; a body below is answered 408, an answer cut; 0: off",
     )
-    body_grace_s: float = Field(2.0, ge=0, description="time before a body's rate counts")
+    body_grace_s: float = Field(
+        2.0, ge=0, description="time before a body's or an answer's rate counts"
+    )
     max_header_bytes: int = Field(
         64 << 10, ge=1024, description="request line and headers; 431 above"
     )
@@ -132,6 +151,13 @@ class Settings(BaseSettings):
                 "api_token (ZEN_MLA_API_TOKEN) is set but empty: an empty token would let "
                 "anyone in. Set a real token, or unset the variable to run without one"
             )
+        return value
+
+    @field_validator("tenants_file")
+    @classmethod
+    def _tenants(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_tenants(value)  # a file that cannot be read or parsed stops the start
         return value
 
     @model_validator(mode="after")

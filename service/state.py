@@ -16,6 +16,7 @@ from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 from .admission import Admission
 from .metrics import Metrics
 from .settings import Settings
+from .tenants import Tenants
 
 __all__ = ["Readiness", "ServiceState", "readiness"]
 
@@ -39,12 +40,16 @@ class ServiceState:
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
+    tenants: Tenants = field(init=False)  # the tokens that open the service, whom each names
     # work whose client hung up, running on to its end (`pipeline._abandon`); owned by the
     # event loop
     abandoned: set[asyncio.Future[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings)
+        s = self.settings
+        token = s.api_token.get_secret_value() if s.api_token is not None else None
+        self.tenants = Tenants.from_settings(token, s.tenants_file)
 
     @property
     def inflight(self) -> int:

@@ -21,19 +21,21 @@ places a job writes to, a worker's own reply) is named here too: `SharedBuffer`,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .attention.batch import RaggedBatch, check_num_seqs, validate
+from .attention.driver import workspace_bytes
 from .attention.select import KernelChoice, host_status, select_kernel
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
 
 __all__ = [
+    "Cost",
     "EngineConfig",
     "OutputPlaces",
     "PoolConfig",
@@ -70,6 +72,7 @@ class PrefillResult:
     lse: torch.Tensor | None
     kernels: KernelChoice
     _pool_result: PoolResult
+    _released: Callable[[], None] | None = None
 
     @property
     def replied(self) -> bool:
@@ -77,14 +80,35 @@ class PrefillResult:
 
     def release(self) -> None:
         self._pool_result.release()
+        if self._released is not None:
+            self._released()
+
+    def when_released(self, callback: Callable[[], None]) -> PrefillResult:
+        """This result, calling `callback` (from whichever thread releases it, maybe more than
+        once) once `release()` has handed its memory back."""
+        return replace(self, _released=callback)
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a prepared request will cost, as the chosen kernel spends it, whatever the request's
+    bytes: `work`, multiply-adds of the score matmul, padding included (what the work cap
+    counts); `workspace_bytes`, an upper bound of the memory the kernel allocates beyond the
+    inputs and results (padding, packing, tiles); `result_bytes`, out and lse."""
+
+    work: int
+    workspace_bytes: int
+    result_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillRequest:
-    """A validated batch within the work cap, and the kernels chosen for it (`prepare()`)."""
+    """A validated batch within the work cap, the kernels chosen for it and what it will cost
+    (`prepare()`)."""
 
     batch: RaggedBatch
     kernels: KernelChoice
+    cost: Cost
 
     @property
     def num_requests(self) -> int:
@@ -184,6 +208,8 @@ class PrefillEngine:
         self.config = config or EngineConfig()
         host_status()  # probe the kernels once, before the workers start
         self._pool = WorkerPool(self.config.pool)
+        # a kernel's per-thread memory is counted for the widest worker
+        self._threads = max(s.threads for s in self._pool.slots)
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -233,9 +259,9 @@ class PrefillEngine:
     ) -> PrefillRequest:
         """The one front door of every request form: tensors by the contract's names (q, k,
         v, q_cu_seq_lens and optional kv_cu_seq_lens) and the options, validated once, within
-        the sequence and work caps, with the kernels chosen; not queued yet. Errors as
-        `zen_mla.ragged_attention`'s (a missing tensor is named), plus WorkTooLargeError over
-        the work cap."""
+        the sequence and work caps, with the kernels chosen and its `Cost`; not queued yet.
+        Errors as `zen_mla.ragged_attention`'s (a missing tensor is named), plus
+        WorkTooLargeError over the work cap (the work as the chosen kernel computes it)."""
         options = options or PrefillOptions()
         for name in REQUIRED_TENSORS:
             if name not in tensors:
@@ -250,17 +276,27 @@ class PrefillEngine:
             scale=options.scale,
             max_seqs=self.config.max_seqs,
         )
-        work = batch.work()
+        return_lse = options.return_lse
+        chosen = select_kernel(options.kernel, batch.q.dtype, return_lse=return_lse)
+        work = chosen.work(batch)
         if self.config.max_work is not None and work > self.config.max_work:
             raise WorkTooLargeError(
                 "work",
-                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's cap)",
+                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's "
+                f"cap; kernel {chosen.name!r} counts its padding)",
                 str(work),
                 "Split the batch into smaller requests",
             )
-        return_lse = options.return_lse
-        chosen = select_kernel(options.kernel, batch.q.dtype, return_lse=return_lse)
-        return PrefillRequest(batch, KernelChoice(chosen.name, chosen.name if return_lse else None))
+        tq, h, _ = batch.q.shape
+        result = tq * h * batch.v_head_dim * batch.v.element_size()
+        cost = Cost(
+            work,
+            workspace_bytes(batch, chosen, return_lse=return_lse, threads=self._threads),
+            result + (h * tq * 4 if return_lse else 0),
+        )
+        return PrefillRequest(
+            batch, KernelChoice(chosen.name, chosen.name if return_lse else None), cost
+        )
 
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError

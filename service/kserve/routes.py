@@ -122,7 +122,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
     shm = "/v2/systemsharedmemory"
 
     def registry(request: Request) -> SystemShmRegistry:
-        HttpDoor(request).authorize(state.settings)
+        HttpDoor(request).authorize(state.tenants)
         return registry_of(state)
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)

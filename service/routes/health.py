@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from ..admission import HELD_KINDS
 from ..state import ServiceState, readiness
 
 __all__ = ["add_routes"]
@@ -31,11 +32,13 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
     async def metrics() -> PlainTextResponse:
         """Prometheus text format, names prefixed zen_mla_."""
         workers = state.engine.workers() if state.engine is not None else []
+        a = state.admission
         text = state.metrics.render(
-            state.admission.queued,
-            state.admission.uploads,
+            a.queued,
+            a.uploads,
             sum(w["alive"] for w in workers),
             sum(w["restarts"] for w in workers),
+            {kind: a.held_bytes[kind] for kind in HELD_KINDS},
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -63,6 +66,7 @@ def _health(state: ServiceState) -> JSONResponse:
         "uploads": a.uploads,
         "queued": a.queued,
         "inflight_bytes": a.inflight_bytes,
+        "held_bytes": {kind: a.held_bytes[kind] for kind in HELD_KINDS},
         "error": state.start_error,
     }
     return JSONResponse(body, status_code=200 if now.ready else 503)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -140,6 +141,11 @@ def test_named_round_trips(case: str):
     assert getattr(parse(*argv), field) == expected
 
 
+_TENANTS = tempfile.NamedTemporaryFile("w", suffix=".tenants", delete=False)  # noqa: SIM115
+_TENANTS.write("team-a token-a\n")
+_TENANTS.close()
+
+
 def _other_than_default(name: str) -> tuple[list[str], object]:
     """argv that sets the field `name` to a valid value unlike its default, and that value."""
     field = Settings.model_fields[name]
@@ -152,6 +158,8 @@ def _other_than_default(name: str) -> tuple[list[str], object]:
         value: Any = (default if isinstance(default, int) else 4096) + 1
     elif float in kinds:
         value = default + 0.5
+    elif name == "tenants_file":  # read as the settings are made: a real one
+        value = _TENANTS.name
     elif str in kinds:
         value = "/run/zen-mla-flag"
     else:

@@ -11,8 +11,9 @@ import asyncio
 import gc
 
 import torch
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
+from service.answer import Streamed
 from service.forms.safetensors import send
 from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
@@ -36,10 +37,19 @@ def sent(
 def test_memory_returns_only_after_the_last_chunk_is_dropped():
     cache = BufferCache(1 << 30)
     buf, _, response = sent(cache, 8 << 20, (4096, 8, 128))
-    assert isinstance(response, StreamingResponse)
+    assert isinstance(response, Streamed)
 
     async def drain() -> list[object]:
-        return [chunk async for chunk in response.body_iterator]
+        held: list[object] = []
+
+        async def keep(message: object) -> None:
+            held.append(message)
+
+        async def nothing() -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+        await response({"type": "http"}, nothing, keep)
+        return held
 
     held = asyncio.run(drain())  # the app has handed over every chunk; a transport holds them
     gc.collect()
@@ -52,7 +62,7 @@ def test_memory_returns_only_after_the_last_chunk_is_dropped():
 def test_a_small_answer_is_one_response_and_its_memory_returns_at_once():
     cache = BufferCache(1 << 30)
     buf, out, response = sent(cache, 64 << 10, (8, 16, 128))
-    assert not isinstance(response, StreamingResponse)
+    assert not isinstance(response, Streamed)
     assert cache.get(64 << 10) is buf, "a small answer's memory is copied out and released"
     header = int.from_bytes(response.body[:8], "little")
     assert response.body[8 + header :] == out.view(torch.uint8).numpy().tobytes()

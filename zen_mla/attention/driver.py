@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from .batch import RaggedBatch
-from .kernels import AttentionKernel, KernelCall
+from .kernels import AttentionKernel, CallShape, KernelCall
 from .padding import padded
 
-__all__ = ["MASK_BUDGET_BYTES", "attend"]
+__all__ = ["MASK_BUDGET_BYTES", "attend", "workspace_bytes"]
 
 #: bytes of one additive bottom-right mask block; larger masks are applied in query blocks
 MASK_BUDGET_BYTES = 16 << 20
@@ -47,6 +47,32 @@ class _RunOutput:
         self.out[:, :, rows].zero_()
         if self.lse is not None:
             self.lse[:, :, rows].fill_(float("-inf"))
+
+
+def workspace_bytes(
+    batch: RaggedBatch, kernel: type[AttentionKernel], *, return_lse: bool, threads: int
+) -> int:
+    """An upper bound of the bytes `attend` allocates over `batch` with `kernel` on `threads`
+    threads, beyond its inputs, `out` and `lse`: V padded once where the kernel wants equal head
+    dims, then the largest run's call with its mask block (calls run one at a time); or, for a
+    `ragged` kernel, its own whole-batch bound."""
+    if kernel.ragged:
+        return kernel.workspace_bytes(batch, return_lse, threads)
+    _, h, dqk = batch.q.shape
+    dv, itemsize = batch.v_head_dim, batch.q.element_size()
+    pad = kernel.needs_equal_head_dims and dv < dqk
+    padded_v = int(batch.k.shape[0]) * h * dqk * itemsize if pad else 0
+    largest = 0
+    for run in batch.runs():
+        if run.sq == 0 or run.sk == 0:
+            continue
+        shape = CallShape(
+            run.count, h, run.sq, run.sk, dqk, dqk if pad else dv, itemsize, return_lse
+        )
+        # the additive mask block and the boolean one it is made from
+        mask = 2 * MASK_BUDGET_BYTES if batch.causal and run.sq < run.sk else 0
+        largest = max(largest, kernel.call_bytes(shape, threads) + mask)
+    return padded_v + largest
 
 
 def attend(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import AttentionKernel, KernelCall
+from .base import AttentionKernel, CallShape, KernelCall
 from .native import NativeKernel
 from .reference import ReferenceKernel
 from .torch_flash import TorchFlashKernel
@@ -11,6 +11,7 @@ from .zentorch import ZentorchKernel
 __all__ = [
     "KERNELS",
     "AttentionKernel",
+    "CallShape",
     "KernelCall",
     "NativeKernel",
     "ReferenceKernel",

@@ -10,7 +10,47 @@ import torch
 from ..batch import RaggedBatch
 from ..host import HostFacts
 
-__all__ = ["AttentionKernel", "KernelCall"]
+__all__ = ["TILE_KEYS", "TILE_QUERIES", "AttentionKernel", "CallShape", "KernelCall", "round32"]
+
+#: rows and columns of the tiles a flash kernel holds per thread (torch's CPU flash attention
+#: takes at most 256 queries by 512 keys; zentorch's tiles are no larger)
+TILE_QUERIES, TILE_KEYS = 256, 512
+
+
+def round32(n: int) -> int:
+    """`n` rounded up to a multiple of 32: AMX's bf16 tiles are 32 deep, and the kernels that
+    use them pack sequence lengths and head dims so."""
+    return -(-n // 32) * 32
+
+
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """The shape of one `forward` call: `n` requests of `heads` heads, `sq` queries against
+    `sk` keys, head dims `dqk` and `dv` (as the kernel gets them: V padded where it wants equal
+    dims), elements of `itemsize` bytes, the LSE asked or not."""
+
+    n: int
+    heads: int
+    sq: int
+    sk: int
+    dqk: int
+    dv: int
+    itemsize: int
+    return_lse: bool
+
+    @property
+    def out_bytes(self) -> int:
+        """The call's `out` `[n, H, Sq, Dv]` and, when asked, its fp32 `lse` `[n, H, Sq]`."""
+        rows = self.n * self.heads * self.sq
+        return rows * self.dv * self.itemsize + (rows * 4 if self.return_lse else 0)
+
+    def flash_bytes(self, threads: int) -> int:
+        """A flash kernel's call: its returns, K and V packed whole into tiles padded to 32
+        (torch's does so where the CPU has AMX), and per thread one tile of fp32 scores, their
+        low-precision copy and an fp32 accumulator."""
+        packed = self.n * self.heads * round32(self.sk) * (round32(self.dqk) + round32(self.dv))
+        tile = TILE_QUERIES * (TILE_KEYS * (4 + self.itemsize) + (round32(self.dv) + 2) * 4)
+        return self.out_bytes + packed * self.itemsize + threads * tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +111,25 @@ class AttentionKernel:
         """Why this kernel's LSE is not trusted on `host`, where it runs, or None where it is
         fp32-accurate (within 1e-3 of fp64) there."""
         return None
+
+    @classmethod
+    def work(cls, batch: RaggedBatch) -> int:
+        """Multiply-adds of the score matmul this kernel performs on `batch`, what a work cap
+        counts: the visible pairs' `batch.work()`, unless the kernel computes padding too."""
+        return batch.work()
+
+    @classmethod
+    def call_bytes(cls, shape: CallShape, threads: int) -> int:
+        """An upper bound of the bytes one `forward` call of `shape` allocates on `threads`
+        threads: its returns and what the kernel makes inside (copies, packing, per-thread
+        tiles). The driver adds what it makes around the calls (`driver.workspace_bytes`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool, threads: int) -> int:
+        """A `ragged` kernel's upper bound of the bytes one `forward_ragged` call over `batch`
+        allocates beyond its inputs, `out` and `lse`, on `threads` threads."""
+        raise NotImplementedError
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

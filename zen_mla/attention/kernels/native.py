@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..batch import RaggedBatch
 from ..host import HostFacts
-from .base import AttentionKernel, KernelCall
+from .base import TILE_QUERIES, AttentionKernel, KernelCall, round32
 
 __all__ = [
     "BLOCK_KEYS",
@@ -99,6 +99,29 @@ class NativeKernel(AttentionKernel):
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
         return host.native_failure or None
+
+    @classmethod
+    def work(cls, batch: RaggedBatch) -> int:
+        # Dqk is padded to 32; a row computes up to 31 keys past its last (key blocks are whole
+        # 32s) and, on a causal diagonal, the keys its block's last row sees.
+        tq, h, dqk = batch.q.shape
+        extra = 32 + (BLOCK_QUERIES if batch.causal else 0)
+        return h * round32(dqk) * (batch.work() // (h * dqk) + tq * extra)
+
+    @classmethod
+    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool, threads: int) -> int:
+        # q and k padded to Dqk 32 deep; K and V of every head packed, sequences 32 long; per
+        # thread its tiles; `out` through a copy where it is not written directly.
+        tq, h, dqk = batch.q.shape
+        tk, dv = int(batch.k.shape[0]), batch.v_head_dim
+        padded = (tq + tk) * h * round32(dqk) * 2 if dqk % 32 else 0
+        keys = tk + 32 * batch.num_requests
+        packed = h * keys * (round32(dqk) + round32(dv)) * 2
+        tiles = threads * (
+            TILE_QUERIES * (BLOCK_KEYS * 6 + (round32(dv) + 2) * 4)
+            + 2 * BLOCK_KEYS * (round32(dqk) + round32(dv)) * 2
+        )
+        return padded + packed + tiles + tq * h * dv * 2
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import AttentionKernel, KernelCall
+from .base import AttentionKernel, CallShape, KernelCall
 
 __all__ = ["ReferenceKernel"]
 
@@ -19,6 +19,18 @@ class ReferenceKernel(AttentionKernel):
 
     name: ClassVar[str] = "reference"
     needs_equal_head_dims: ClassVar[bool] = False
+
+    @classmethod
+    def call_bytes(cls, shape: CallShape, threads: int) -> int:
+        # fp32 copies of K and V, fp32 out and lse, out in q's dtype, one block of scores
+        # (with its log-sum-exp and the block of q in fp32 beside it)
+        rows = shape.n * shape.heads
+        copies = rows * shape.sk * (shape.dqk + shape.dv) * 4
+        results = rows * shape.sq * (shape.dv * (4 + shape.itemsize) + 4)
+        block = max(SCORE_BUDGET_BYTES, rows * shape.sk * 4)
+        block_rows = min(shape.sq, max(1, SCORE_BUDGET_BYTES // (4 * rows * max(shape.sk, 1))))
+        q_block = block_rows * rows * (shape.dqk + 1) * 4
+        return copies + results + 2 * block + q_block
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

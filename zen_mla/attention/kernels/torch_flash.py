@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import AttentionKernel, KernelCall
+from .base import AttentionKernel, CallShape, KernelCall
 
 __all__ = ["TorchFlashKernel"]
 
@@ -22,6 +22,10 @@ class TorchFlashKernel(AttentionKernel):
 
     name: ClassVar[str] = "torch"
     needs_equal_head_dims: ClassVar[bool] = True
+
+    @classmethod
+    def call_bytes(cls, shape: CallShape, threads: int) -> int:
+        return shape.flash_bytes(threads)
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

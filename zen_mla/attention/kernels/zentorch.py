@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..host import HostFacts
-from .base import AttentionKernel, KernelCall
+from .base import AttentionKernel, CallShape, KernelCall
 
 __all__ = ["ZentorchKernel", "zentorch_op"]
 
@@ -60,6 +60,12 @@ class ZentorchKernel(AttentionKernel):
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
         return host.zentorch_lse_failure or None
+
+    @classmethod
+    def call_bytes(cls, shape: CallShape, threads: int) -> int:
+        # Its LSE route copies V when all three inputs are the caller's inference tensors.
+        v_copy = shape.n * shape.heads * shape.sk * shape.dv * shape.itemsize
+        return shape.flash_bytes(threads) + (v_copy if shape.return_lse else 0)
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:

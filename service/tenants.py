@@ -1,0 +1,83 @@
+"""Who a request's client is, as the operator says: the tenant its bearer token names where the
+operator gives tenants tokens of their own (`tenants_file`), else its peer (the address on TCP,
+the uid on the region socket). A forwarded address counts only from proxies the operator names
+(`forwarded_allow_ips`: uvicorn puts it in the peer's place before the app sees the request);
+no header is trusted by default."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from pathlib import Path
+
+from zen_mla import UnauthorizedError
+
+__all__ = ["SHARED_TENANT", "Tenants", "read_tenants"]
+
+#: the tenant of the shared `api_token` where tenants have tokens of their own
+SHARED_TENANT = ""
+#: a tenants file's size cap: it holds names and tokens, not data
+MAX_FILE_BYTES = 1 << 20
+
+
+def read_tenants(path: str) -> dict[str, str]:
+    """The tenants of a file of `NAME TOKEN` lines (blank lines and `#` comments skipped), as
+    {token: name}; ValueError saying which line is wrong and why."""
+    file = Path(path)
+    try:
+        if file.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"tenants file {path}: expected at most {MAX_FILE_BYTES} bytes")
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"tenants file {path}: cannot be read ({exc})") from None
+    tokens: dict[str, str] = {}
+    names: set[str] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"tenants file {path}, line {number}"
+        if len(parts) != 2:
+            raise ValueError(f"{where}: expected 'NAME TOKEN', got {len(parts)} words")
+        name, token = parts
+        if name in names:
+            raise ValueError(f"{where}: tenant {name!r} is named twice")
+        if token in tokens:
+            raise ValueError(f"{where}: its token is {tokens[token]!r}'s too; give each its own")
+        names.add(name)
+        tokens[token] = name
+    if not tokens:
+        raise ValueError(f"tenants file {path}: names no tenant (expected 'NAME TOKEN' lines)")
+    return tokens
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Tenants:
+    """The tokens that open the service and the client each names. Lookups go by the token's
+    SHA-256, so how long one takes says nothing of the tokens held."""
+
+    def __init__(self, shared: str | None, tenants: dict[str, str] | None = None) -> None:
+        self._by_digest: dict[bytes, str] = {_digest(t): n for t, n in (tenants or {}).items()}
+        if shared is not None:
+            self._by_digest.setdefault(_digest(shared), SHARED_TENANT)
+        self.named = bool(tenants)  # a client is a tenant, not a peer
+        self.required = bool(self._by_digest)
+
+    @classmethod
+    def from_settings(cls, api_token: str | None, tenants_file: str | None) -> Tenants:
+        return cls(api_token, read_tenants(tenants_file) if tenants_file else None)
+
+    def client(self, token: str | None) -> Hashable | None:
+        """The client `token` names: `("tenant", name)` where tenants have tokens, None where
+        the peer is the client. UnauthorizedError where a token is required and this one is
+        missing or opens nothing."""
+        if not self.required:
+            return None
+        name = self._by_digest.get(_digest(token or "")) if token else None
+        if name is None:
+            raise UnauthorizedError("a valid bearer token is required (Authorization: Bearer ...)")
+        return ("tenant", name) if self.named else None
