@@ -6,11 +6,11 @@ A client is whom the operator says (`client_of`, `tenants`): the tenant a token 
 peer's uid on the region socket, the peer's address on TCP. Shares are work-conserving: while
 places are free anyone takes one, so a client alone may use every slot, place and byte (the
 ranks of one orchestrator, often one uid or one address, are not slowed by a cap meant for
-strangers). Once they are all taken, a client holding nothing still takes one, and a client
-holding less than its share (the cap over the clients holding any, itself counted) takes one
-more, while the total stays under a hard ceiling, twice the cap (`Shares.ceiling`). So a flood
-holds the others off no longer than its first places take, and a newcomer is kept out only by
-as many other clients as the cap, each holding some.
+strangers). Once they are all taken, a client holding less than its share (the cap over the
+clients holding any, itself counted) takes one more, up to one and a half caps, and a client
+holding nothing takes one all the same, up to a hard ceiling, twice the cap (`Shares`). So a
+flood holds the others off no longer than its first places take, and a newcomer is kept out
+only by as many others as half the cap, each come in holding nothing.
 
 The bytes charged are what the service will hold for a request, not what its client sends: its
 body's bytes as they arrive; before it is queued, the memory its kernel will allocate (padding,
@@ -73,27 +73,35 @@ def client_of(peer: object) -> Hashable:
     return ("local",)
 
 
+def client_name(client: Hashable) -> str:
+    """A client as the log line names it: `addr:10.0.0.1`, `uid:1000`, `tenant:team-a`."""
+    if isinstance(client, tuple):
+        return ":".join(str(part) for part in client)
+    return str(client)
+
+
 class Shares:
     """`cap` units of one thing (upload slots, queue places, bytes), held by clients; never
-    more than `ceiling`, twice the cap, in all."""
+    more than `ceiling`, twice the cap, in all. Past the cap, a client holding some may grow
+    within its share only to `cap * 1.5`: the last half cap is kept for clients holding none."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.ceiling = 2 * cap
+        self.shared = cap + cap // 2
         self.total = 0
         self.held: Counter[Hashable] = Counter()
 
     def room(self, client: Hashable, n: int = 1) -> bool:
-        """May `client` take `n` more: while the cap allows; past it, under the ceiling, when
-        it holds nothing or stays within its share."""
-        if self.total + n <= self.cap:
+        """May `client` take `n` more: while the cap allows; past it, when it holds nothing
+        (up to the ceiling), or within its share (the cap over the clients holding any)."""
+        after = self.total + n
+        if after <= self.cap:
             return True
-        if self.total + n > self.ceiling:
-            return False
         mine = self.held[client]
         if mine == 0:
-            return True
-        return mine + n <= self.cap // len(self.held)
+            return after <= self.ceiling
+        return after <= self.shared and mine + n <= self.cap // len(self.held)
 
     def take(self, client: Hashable, n: int = 1) -> None:
         self.total += n

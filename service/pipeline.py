@@ -51,7 +51,7 @@ from zen_mla.engine import (
     SharedBuffer,
 )
 
-from .admission import Ticket
+from .admission import Ticket, client_name
 from .answer import Streamed
 from .body import SMALL_BYTES, give_back, read_body
 from .doors import CallDoor, Door
@@ -85,6 +85,7 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         if form.computes:
             ready_engine(state)
         door.authorize(state.tenants)
+        record.info["client"] = client_name(door.client)  # who is charged, in the log line
         expect = form.expect(state.settings, door)
         engine = _engine(state)
         body = await _read(state, door, expect, record, held)
@@ -368,7 +369,7 @@ def _account(state: ServiceState, record: RequestRecord) -> None:
     state.metrics.count_request(record.route, record.status, record.bytes_in, record.bytes_out)
     if log.isEnabledFor(logging.INFO):  # no JSON built for a line not logged (~3 us)
         timings = {}
-        if record.status == 200 and record.info:
+        if record.status == 200 and "tq" in record.info:
             timings = {
                 "ingest_ms": round(record.ingest_s * 1e3, 3),
                 "queue_ms": round(record.queue_s * 1e3, 3),

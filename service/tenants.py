@@ -7,6 +7,7 @@ no header is trusted by default."""
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from zen_mla import UnauthorizedError
 
 __all__ = ["SHARED_TENANT", "Tenants", "read_tenants"]
 
-#: the tenant of the shared `api_token` where tenants have tokens of their own
-SHARED_TENANT = ""
+#: the tenant of the shared `api_token` where tenants have tokens of their own (no tenant of a
+#: file is named so: `NAME`s are `_NAME`)
+SHARED_TENANT = "*"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: a tenants file's size cap: it holds names and tokens, not data
 MAX_FILE_BYTES = 1 << 20
 
@@ -41,6 +44,11 @@ def read_tenants(path: str) -> dict[str, str]:
         if len(parts) != 2:
             raise ValueError(f"{where}: expected 'NAME TOKEN', got {len(parts)} words")
         name, token = parts
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{where}: a tenant's name is letters, digits, '.', '_' and '-' (64 at most, "
+                f"a letter or digit first), got {name[:70]!r}"
+            )
         if name in names:
             raise ValueError(f"{where}: tenant {name!r} is named twice")
         if token in tokens:

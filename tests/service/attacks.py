@@ -5,6 +5,7 @@ legitimate client's rounds (HTTP here, or the region socket's) while an attack r
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
@@ -14,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import safetensors.torch
+import torch
 
+import zen_mla
 from tests.processes import open_fds
 from tests.service.bodies import OCTET, body_of, good_tensors
 from tests.service.raw import address, prefill_head
@@ -34,12 +38,21 @@ def other_client(server: Server) -> httpx.Client:
     return httpx.Client(base_url=server.url, transport=transport, timeout=120)
 
 
+@functools.cache
+def _legitimate_request() -> tuple[bytes, torch.Tensor]:
+    tensors = good_tensors()
+    expected = zen_mla.ragged_attention(
+        tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"]
+    )
+    assert isinstance(expected, torch.Tensor)
+    return body_of(tensors), expected
+
+
 def legitimate(server: Server) -> float:
     """Seconds a correct /prefill took, retrying 429/503 as a client would, within LOCKOUT_S;
-    the answer is checked (a 200 whose `out` has the right shape). It comes from another
+    the answer is checked against in-process `ragged_attention`. It comes from another
     address than the attacks: a client of its own (a client alone may use every slot)."""
-    tensors = good_tensors()
-    body = body_of(tensors)
+    body, expected = _legitimate_request()
     t0 = time.monotonic()
     last = None
     while time.monotonic() - t0 < LOCKOUT_S:
@@ -51,7 +64,8 @@ def legitimate(server: Server) -> float:
                 time.sleep(0.2)
                 continue
         if last.status_code == 200:
-            assert len(last.content) > tensors["q"].shape[0] * 128
+            out = safetensors.torch.load(last.content)["out"]
+            torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
             return time.monotonic() - t0
         assert last.status_code in (429, 503), last.text
         time.sleep(0.2)
@@ -125,9 +139,16 @@ def during(
     return latencies
 
 
-def silent_heads(server: Server, head: bytes, n: int, stop: threading.Event) -> None:
+def silent_heads(
+    server: Server,
+    head: bytes,
+    n: int,
+    stop: threading.Event,
+    sources: list[str] | None = None,
+) -> None:
     """`n` connections that send `head` (announcing a body) and then nothing, reconnecting
-    whenever the server closes one, until `stop`."""
+    whenever the server closes one, until `stop`; connection i from `sources[i % len]` where
+    given (loopback addresses: one client each, as hosts would be)."""
     socks: list[socket.socket | None] = [None] * n
     try:
         while not stop.is_set():
@@ -144,7 +165,8 @@ def silent_heads(server: Server, head: bytes, n: int, stop: threading.Event) -> 
                     except OSError:
                         s.close()
                 try:
-                    s = socket.create_connection(address(server), timeout=5)
+                    source = None if sources is None else (sources[i % len(sources)], 0)
+                    s = socket.create_connection(address(server), 5, source)
                     s.sendall(head)
                     socks[i] = s
                 except OSError:

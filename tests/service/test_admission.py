@@ -146,3 +146,70 @@ def test_an_upload_whose_read_timed_out_already_is_displaced_without_error():
             t.close()
 
     asyncio.run(main())
+
+
+def test_a_client_holding_nothing_gets_a_place_however_many_others_hold_some():
+    """Clients holding a place each of a queue of 4: another, holding nothing, still gets one
+    (its share, 4 // 9, is 0) up to twice the cap; one holding a place already gets no
+    second."""
+    a = Admission(_settings(max_queue=4))
+    held = []
+    for i in range(8):
+        t = a.admit_read(1, ("addr", f"10.2.0.{i}"))
+        t.enqueue()
+        held.append(t)
+    assert a.queued == 8  # the cap, then one each for those that held nothing, to 2x
+    with pytest.raises(QueueFullError):  # at the ceiling: no more, whoever asks
+        a.admit_read(1, ("addr", "10.2.0.99"))
+    held.pop().close()
+    newcomer = a.admit_read(1, ("addr", "10.2.0.99"))
+    newcomer.enqueue()
+    with pytest.raises(QueueFullError):
+        a.admit_read(1, ("addr", "10.2.0.99"))  # it holds one, over the cap: its share is 0
+    for t in [*held, newcomer]:
+        t.close()
+
+
+def test_byte_shares_never_add_up_past_twice_the_budget():
+    """Fifteen clients join one after another, each taking what it may while fewer hold any:
+    the bytes held never pass twice the budget (each share is judged against the clients
+    holding now, not when it was taken)."""
+    a = Admission(_settings(max_inflight_bytes=256 << 20, max_body_bytes=1 << 20))
+    tickets = []
+    for i in range(15):
+        t = a.admit_read(0, ("addr", f"10.3.0.{i}"))
+        tickets.append(t)
+        while True:
+            try:
+                t.charge(8 << 20)
+            except QueueFullError:
+                break
+        assert a.inflight_bytes <= 2 * (256 << 20)
+    assert a.inflight_bytes <= 2 * (256 << 20)
+    assert all(t.charged > 0 for t in tickets), "every client got some bytes"
+    for t in tickets:
+        t.close()
+    assert a.inflight_bytes == 0
+
+
+def test_the_bytes_of_each_kind_go_back_when_their_part_is_done():
+    """A request's kernel bytes go back when its work is done, its body's when its buffers
+    are, and its answer's only when the answer's charge is closed, after the ticket."""
+
+    async def main() -> None:
+        a = Admission(_settings())
+        t = a.admit_read(1000, A)
+        t.charge(300, "kernel")
+        t.charge(200, "answer")
+        assert dict(a.held_bytes) == {"body": 1000, "kernel": 300, "answer": 200}
+        t.refund("kernel")
+        t.refund("body")
+        charge = t.keep("answer")
+        t.close()
+        assert (a.inflight, a.inflight_bytes, a.bytes.held[A]) == (0, 200, 200)
+        charge.close_soon()  # as a finalizer in another thread would
+        await asyncio.sleep(0)
+        charge.close()  # once only
+        assert (a.inflight_bytes, dict(a.bytes.held), a.held_bytes["answer"]) == (0, {}, 0)
+
+    asyncio.run(main())
