@@ -8,9 +8,10 @@ places are free anyone takes one, so a client alone may use every slot, place an
 ranks of one orchestrator, often one uid or one address, are not slowed by a cap meant for
 strangers). Once they are all taken, a client holding less than its share (the cap over the
 clients holding any, itself counted) takes one more, up to one and a half caps, and a client
-holding nothing takes one all the same, up to a hard ceiling, twice the cap (`Shares`). So a
-flood holds the others off no longer than its first places take, and a newcomer is kept out
-only by as many others as half the cap, each come in holding nothing.
+holding nothing takes one all the same, up to a hard ceiling (`Shares`): for slots and places
+the cap plus the connection cap (each holds a connection or a socket call, so however many
+addresses or tenants hold one, a newcomer gets one), for bytes twice the budget. So a flood
+holds the others off no longer than its first places take.
 
 The bytes charged are what the service will hold for a request, not what its client sends: its
 body's bytes as they arrive; before it is queued, the memory its kernel will allocate (padding,
@@ -82,13 +83,13 @@ def client_name(client: Hashable) -> str:
 
 class Shares:
     """`cap` units of one thing (upload slots, queue places, bytes), held by clients; never
-    more than `ceiling`, twice the cap, in all. Past the cap, a client holding some may grow
-    within its share only to `cap * 1.5`: the last half cap is kept for clients holding none."""
+    more than `ceiling` in all. Past the cap, a client holding some may grow within its share
+    only to `cap * 1.5`: the rest, to the ceiling, is kept for clients holding none."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, ceiling: int) -> None:
         self.cap = cap
-        self.ceiling = 2 * cap
-        self.shared = cap + cap // 2
+        self.ceiling = ceiling
+        self.shared = min(ceiling, cap + cap // 2)
         self.total = 0
         self.held: Counter[Hashable] = Counter()
 
@@ -129,9 +130,12 @@ class Admission:
 
     def __post_init__(self) -> None:
         s = self.settings
-        self.slots = Shares(s.max_uploads)
-        self.places = Shares(s.max_queue)
-        self.bytes = Shares(s.max_inflight_bytes)
+        # A client holding no slot or place gets one while any connection could still ask:
+        # every upload and every queued request holds one, and they are capped. The bytes are
+        # the memory, held to twice the budget.
+        self.slots = Shares(s.max_uploads, s.max_uploads + s.max_connections)
+        self.places = Shares(s.max_queue, s.max_queue + s.max_connections)
+        self.bytes = Shares(s.max_inflight_bytes, 2 * s.max_inflight_bytes)
 
     @property
     def uploads(self) -> int:

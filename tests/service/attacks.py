@@ -39,8 +39,13 @@ def other_client(server: Server) -> httpx.Client:
 
 
 @functools.cache
-def _legitimate_request() -> tuple[bytes, torch.Tensor]:
+def _legitimate_request(upload: bool) -> tuple[bytes, torch.Tensor]:
     tensors = good_tensors()
+    if upload:  # 2 MiB: a body that needs an upload slot
+        g = torch.Generator().manual_seed(7)
+        q, k = (torch.randn(256, 8, 192, generator=g).bfloat16() for _ in range(2))
+        v = torch.randn(256, 8, 128, generator=g).bfloat16()
+        tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": torch.tensor([0, 200, 256])}
     expected = zen_mla.ragged_attention(
         tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"]
     )
@@ -48,11 +53,12 @@ def _legitimate_request() -> tuple[bytes, torch.Tensor]:
     return body_of(tensors), expected
 
 
-def legitimate(server: Server) -> float:
+def legitimate(server: Server, upload: bool = False) -> float:
     """Seconds a correct /prefill took, retrying 429/503 as a client would, within LOCKOUT_S;
     the answer is checked against in-process `ragged_attention`. It comes from another
-    address than the attacks: a client of its own (a client alone may use every slot)."""
-    body, expected = _legitimate_request()
+    address than the attacks: a client of its own (a client alone may use every slot).
+    `upload`: a body large enough to need an upload slot (a small one needs none)."""
+    body, expected = _legitimate_request(upload)
     t0 = time.monotonic()
     last = None
     while time.monotonic() - t0 < LOCKOUT_S:
@@ -145,10 +151,11 @@ def silent_heads(
     n: int,
     stop: threading.Event,
     sources: list[str] | None = None,
+    poll_s: float = 0.1,
 ) -> None:
     """`n` connections that send `head` (announcing a body) and then nothing, reconnecting
-    whenever the server closes one, until `stop`; connection i from `sources[i % len]` where
-    given (loopback addresses: one client each, as hosts would be)."""
+    whenever the server closes one (looking every `poll_s`), until `stop`; connection i from
+    `sources[i % len]` where given (loopback addresses: one client each, as hosts would be)."""
     socks: list[socket.socket | None] = [None] * n
     try:
         while not stop.is_set():
@@ -171,7 +178,7 @@ def silent_heads(
                     socks[i] = s
                 except OSError:
                     socks[i] = None
-            stop.wait(0.1)
+            stop.wait(poll_s)
     finally:
         for s in socks:
             if s is not None:

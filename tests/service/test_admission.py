@@ -63,8 +63,10 @@ def test_a_client_alone_takes_every_place_and_another_still_gets_its_share():
     assert (a.queued, a.inflight, a.inflight_bytes, dict(a.places.held)) == (0, 0, 0, {})
 
 
-def test_the_share_exemptions_stay_within_twice_each_cap():
-    a = Admission(_settings(max_queue=8))
+def test_the_share_exemptions_stay_within_the_ceiling():
+    """Past the cap, places go only to clients holding none, one each, up to the cap plus
+    the connection cap."""
+    a = Admission(_settings(max_queue=8, max_connections=8))
     held = []
     for client in [A] * 8 + [("addr", f"10.1.0.{i}") for i in range(40)]:
         try:
@@ -73,7 +75,8 @@ def test_the_share_exemptions_stay_within_twice_each_cap():
             held.append(t)
         except QueueFullError:
             pass
-    assert 8 < a.queued <= 16
+    assert a.queued == 16
+    assert a.places.held[A] == 8
 
 
 def test_a_small_body_holds_no_upload_slot():
@@ -150,15 +153,15 @@ def test_an_upload_whose_read_timed_out_already_is_displaced_without_error():
 
 def test_a_client_holding_nothing_gets_a_place_however_many_others_hold_some():
     """Clients holding a place each of a queue of 4: another, holding nothing, still gets one
-    (its share, 4 // 9, is 0) up to twice the cap; one holding a place already gets no
-    second."""
-    a = Admission(_settings(max_queue=4))
+    (its share, 4 // 9, is 0) up to the ceiling (the cap and 4 connections); one holding a
+    place already gets no second."""
+    a = Admission(_settings(max_queue=4, max_connections=4))
     held = []
     for i in range(8):
         t = a.admit_read(1, ("addr", f"10.2.0.{i}"))
         t.enqueue()
         held.append(t)
-    assert a.queued == 8  # the cap, then one each for those that held nothing, to 2x
+    assert a.queued == 8  # the cap, then one each for those holding none, to the ceiling
     with pytest.raises(QueueFullError):  # at the ceiling: no more, whoever asks
         a.admit_read(1, ("addr", "10.2.0.99"))
     held.pop().close()
