@@ -338,13 +338,15 @@ def _abandon(
 ) -> None:
     """The client hung up while its work was queued or running.
 
-    Work no worker has started is dropped. Work that started runs on (stopping a worker costs
-    a restart of seconds, which no client may cause at will) and still holds its queue place,
-    its body's buffer and its bytes until it ends or its deadline stops it: hanging up costs
-    the others no more than waiting for the answer would.
+    Work no worker was given is dropped (`withdraw`, decided in one step with the workers'
+    taking it: a worker that took it meanwhile keeps it, never to be stopped for it). Work
+    that started runs on (stopping a worker costs a restart of seconds, which no client may
+    cause at will) and still holds its queue place, its body's buffer and its bytes until it
+    ends or its deadline stops it: hanging up costs the others no more than waiting for the
+    answer would.
     """
-    if job.started_at is None:
-        waiting.cancel()
+    if job.withdraw():
+        waiting.cancel()  # an outcome come meanwhile (a failure) is nobody's to read
         return
     kept = held.hand_over()  # what the work reads, until it ends
     engine = state.engine

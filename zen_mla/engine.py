@@ -126,7 +126,7 @@ class PrefillRequest:
 class PrefillJob:
     """A queued request (`request` says what it is). `result()` blocks, `await wait()` does
     not; `cancel()` abandons the work (its busy workers are stopped and replaced, so their CCXs
-    are free again at once)."""
+    are free again at once); `withdraw()` drops it only if no worker was given any of it."""
 
     def __init__(self, request: PrefillRequest, pool_job: PoolJob) -> None:
         self.request = request
@@ -140,7 +140,7 @@ class PrefillJob:
 
     @property
     def started_at(self) -> float | None:
-        """`time.perf_counter()` when a worker took its first piece, None before."""
+        """`time.perf_counter()` when a worker was given its first piece, None before."""
         return self._job.started_at
 
     @property
@@ -154,6 +154,12 @@ class PrefillJob:
 
     def cancel(self) -> None:
         self._job.cancel()
+
+    def withdraw(self) -> bool:
+        """Drop the job if no worker has been given any of it yet, in one step with the workers'
+        taking it: True, and it is cancelled with no worker stopped. False: it has started, and
+        runs on untouched (to its end or its deadline)."""
+        return self._job.withdraw()
 
     def result(self, timeout: float | None = None) -> PrefillResult:
         """Wait for the result; past `timeout` the work is abandoned and

@@ -1,14 +1,16 @@
 """A worker's queue takes tasks round-robin between clients: one client's flood delays
 another's task by at most one task per flooding client; a worker lost while lent is replaced
-before any task, and the dispatcher stops once the tasks are done."""
+before any task, and the dispatcher stops once the tasks are done; a cancelled job's tasks
+leave it at once."""
 
 from __future__ import annotations
 
 from zen_mla.pool._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
 
 
-def _task(client: object, n: int, cost: int = 1) -> Task:
-    return Task(n, PoolJob(kernel="torch"), None, [], cost, client=client)  # type: ignore[arg-type]
+def _task(client: object, n: int, cost: int = 1, job: PoolJob | None = None) -> Task:
+    job = job or PoolJob(kernel="torch")
+    return Task(n, job, None, [], cost, client=client)  # type: ignore[arg-type]
 
 
 def _drain(q: TaskQueue) -> list[object]:
@@ -68,3 +70,17 @@ def test_take_all_leaves_lost_loans_and_stops():
     q.put(_task("b", 2))
     assert [(t.client, t.id) for t in q.take_all()] == [("a", 1), ("b", 2)]
     assert _drain(q) == [LostOnLoan(), StopDispatching()]
+
+
+def test_dropping_a_job_takes_its_tasks_only_and_keeps_the_turns():
+    q = TaskQueue()
+    gone, kept = PoolJob(kernel="torch"), PoolJob(kernel="torch")
+    q.put(_task("a", 1, cost=10, job=gone))
+    q.put(_task("b", 2, cost=20, job=kept))
+    q.put(_task("a", 3, cost=30, job=kept))
+    q.put(_task("c", 4, cost=40, job=gone))
+    q.put(StopDispatching())
+    assert q.drop(gone) == 2
+    assert q.load == 50 and q.qsize() == 3
+    assert q.drop(gone) == 0
+    assert _drain(q) == [("a", 3), ("b", 2), StopDispatching()]

@@ -56,6 +56,7 @@ class DirectRun:
                 os.close(self._fd)
                 self._fd = None
             self._dispatcher.give_back()
+            self._task.job._untake()  # not started: nothing went out
             return False
         sent = self._dispatcher.send(self._proc, self._task, self._reply)
         if sent is not None:

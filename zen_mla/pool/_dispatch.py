@@ -138,6 +138,10 @@ class Dispatcher(TaskTraffic):
             proc.stop()
 
     def cancel(self, job: PoolJob) -> None:
+        """`job` was cancelled: its tasks queued here are dropped, and the worker is stopped
+        if it was given one of them (`current`: a job withdrawn before any was given never
+        is)."""
+        self.queue.drop(job)
         with self.lock:
             task, proc = self.current, self.proc
             if task is not None and task.job is job and proc is not None:
@@ -145,13 +149,16 @@ class Dispatcher(TaskTraffic):
                 self.state = WorkerState.STARTING
 
     def lend(self, task: Task) -> WorkerProcess | None:
-        """The process, busy with `task` from now on, for a borrower that sends the task and
-        reads the answer itself (`send()`, `answer()`); None unless nobody holds the worker and
-        it is idle with nothing queued. The borrower must `give_back()`."""
+        """The process, busy with `task` from now on (its job is started), for a borrower that
+        sends the task and reads the answer itself (`send()`, `answer()`); None unless nobody
+        holds the worker and it is idle with nothing queued. The borrower must `give_back()`
+        (and `task.job._untake()` should it send nothing)."""
         with self.lock:
             free = self.owner is None and self.state == WorkerState.IDLE and self.lost_why is None
             if not free or self.proc is None or self._closed.is_set() or self.queue.qsize():
                 return None
+            if not task.job._take():
+                return None  # ended already: queued, it is skipped
             self.owner, self.current, self.state = LOAN, task, WorkerState.BUSY
             return self.proc
 
@@ -280,9 +287,11 @@ class Dispatcher(TaskTraffic):
             self._lost(task, self)
             return
         with self.lock:
-            # Checked and set under the one lock `cancel()` takes: a cancel either comes
-            # before (the job is done: skipped) or finds the task current (the worker stopped).
-            if task.job.done():
+            # Given under the one lock `cancel()` takes: a cancel either comes before (the job
+            # is done: skipped) or finds the task current (the worker stopped); and under the
+            # job's, so that a job withdrawn before this is skipped, and one withdrawn after is
+            # not (it has started and runs on).
+            if not task.job._take():
                 return
             self.current, self.state = task, WorkerState.BUSY  # current left set if _run_on raises
         outcome = self._run_on(self.proc, task)

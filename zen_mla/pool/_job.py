@@ -84,7 +84,13 @@ class Reply:
 @dataclass(eq=False)
 class PoolJob:
     """A submitted batch. `result()` waits; `cancel()` abandons it (its busy workers are
-    stopped and replaced, so their CCXs are free again at once)."""
+    stopped and replaced, so their CCXs are free again at once); `withdraw()` drops it only
+    while no worker has been given any of it.
+
+    It is started once a worker has been given one of its pieces (`started_at`): a dispatcher
+    thread that took the piece from its worker's queue, or a loop the worker was lent to
+    (`Dispatcher.lend`). That hand-over (`_take`) and `withdraw()` are decided under `_lock`,
+    one step each, so a piece is either given to a worker or the job dropped, never both."""
 
     kernel: str
     _future: Future[PoolResult] = field(default_factory=Future)
@@ -94,7 +100,12 @@ class PoolJob:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _finish: Callable[[PoolJob], None] | None = None
     queued_at: float = field(default_factory=time.perf_counter)
+    # set by the first `_take`, under _lock
     started_at: float | None = None
+    # pieces handed to a worker so far (a piece lost with its worker and run again counts
+    # twice), and whether `withdraw()` dropped the job: both under _lock
+    _given: int = 0
+    _dropped: bool = False
     replied: bool = False  # its worker wrote its Reply
     replying: bool = False  # its worker holds its Reply now (sent with the task, not done)
 
@@ -164,6 +175,38 @@ class PoolJob:
         # the future itself (asyncio.wrap_future does, when its awaiter is cancelled) abandons
         # the work just the same.
         self._future.cancel()
+
+    def withdraw(self) -> bool:
+        """Drop the job if no worker has been given any of its pieces: True, and the job is
+        cancelled with no worker stopped (none holds any of it; the pool takes its pieces off
+        the queues, and a piece a dispatcher thread took meanwhile is not given to its worker).
+        False: it has started, and runs on untouched (to its end, or until `cancel()`)."""
+        with self._lock:
+            if self._given:
+                return False
+            self._dropped = True
+        self.cancel()  # outside _lock: the pool's callback takes the workers' locks
+        return True
+
+    def _take(self) -> bool:
+        """A worker is given one of the job's pieces now, unless the job was withdrawn or has
+        ended (False: the piece is skipped). Called under the worker's lock, so that a
+        `cancel()` either comes first or finds the piece the worker's current one."""
+        with self._lock:
+            if self._dropped or self._future.done():
+                return False
+            self._given += 1
+            if self.started_at is None:
+                self.started_at = time.perf_counter()
+            return True
+
+    def _untake(self) -> None:
+        """A piece `_take`n went back to a queue with nothing of it sent (a loan that could not
+        start): the job is as it was before that hand-over."""
+        with self._lock:
+            self._given -= 1
+            if not self._given:
+                self.started_at = None
 
     def _piece_done(self) -> None:
         with self._lock:
@@ -263,6 +306,26 @@ class TaskQueue(queue.Queue[Queued]):
     def load(self) -> int:
         with self.mutex:
             return self.cost
+
+    def drop(self, job: PoolJob) -> int:
+        """Take `job`'s queued tasks off the queue (it was cancelled); how many there were."""
+        with self.mutex:
+            dropped = 0
+            for client in list(self._tasks):
+                mine = self._tasks[client]
+                kept = deque(t for t in mine if t.job is not job)
+                if len(kept) == len(mine):
+                    continue
+                for task in mine:
+                    if task.job is job:
+                        dropped += 1
+                        self.cost -= task.cost
+                if kept:
+                    self._tasks[client] = kept  # its turn unchanged
+                else:
+                    del self._tasks[client]
+            self._count -= dropped
+            return dropped
 
     def take_all(self) -> list[Task]:
         """Take the tasks queued, in turn order, leaving `LostOnLoan` and `StopDispatching`."""

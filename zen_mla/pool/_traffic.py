@@ -157,9 +157,8 @@ class TaskTraffic:
         self, proc: WorkerProcess, task: Task, reply: Reply | None = None
     ) -> NotSent | Lost | None:
         """Send `task` (and the `reply` its worker is to write) to `proc`: None once sent, else
-        how the task ended (nothing went out, or the process is lost)."""
-        if task.job.started_at is None:
-            task.job.started_at = time.perf_counter()
+        how the task ended (nothing went out, or the process is lost). The job was started
+        when the worker was given the task (`PoolJob._take`)."""
         forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
         spec = replace(
             task.spec,
