@@ -8,11 +8,13 @@ the socket; a request in flight keeps its mapping alive until it finishes, and t
 unmaps it at once and the workers are told to (`SharedBuffer.release`).
 
 Regions cost their owner. A memfd whose pages are not all populated is refused at registration,
-and a region found with holes when a request names it refuses the request: pages a worker
-faulted into a hole would be the service's memory, charged to it. What a client that punches
-holes between that check and a worker's read makes the service fault in is bounded by its byte
-budget. The budget is per owner (the peer's uid on the region socket, over all its connections),
-and `max_total_bytes` caps the regions of all owners together.
+as is one holding pages past its end (they would stand for holes inside it); it is sealed against
+growing as it is taken, so none can come to lie there later. A region found with holes when a
+request names it refuses the request: pages a worker faulted into a hole would be the service's
+memory, charged to it. What a client that punches holes between that check and a worker's read
+makes the service fault in is bounded by what its regions are charged: every page a worker can
+map (`charged_bytes`), against a budget per owner (the peer's uid on the region socket, over all
+its connections), and `max_total_bytes` caps the regions of all owners together.
 
 `RegionRegistry` is owned by the event loop's thread (the region server and the HTTP handlers
 run there): it takes no lock.
@@ -32,7 +34,13 @@ from ..errors import InvalidInputError, ServiceUnavailableError
 from ..pool import SharedBuffer
 from ..wire.dtypes import BY_SAFETENSORS
 from ..wire.regions_json import TensorPlace
-from .memfd import check_populated, check_sealed_memfd, unpopulated
+from .memfd import (
+    charged_bytes,
+    check_populated,
+    check_sealed_memfd,
+    seal_against_growth,
+    unpopulated,
+)
 
 __all__ = ["Region", "RegionRegistry", "Span", "check_disjoint"]
 
@@ -43,6 +51,7 @@ class Region:
 
     handle: str
     nbytes: int
+    charged: int  # what its owner's budget counts: every page a worker may fault in
     memory: tuple[int, int]  # (st_dev, st_ino): two handles of one memfd are one memory
     buffer: SharedBuffer
     owner: Hashable  # whose byte budget it counts against: the peer's uid on the region socket
@@ -79,17 +88,18 @@ class RegionRegistry:
         return len(self._regions)
 
     def bytes_of(self, owner: Hashable) -> int:
-        """Bytes of the regions `owner` holds, over all its connections."""
+        """Bytes charged for the regions `owner` holds, over all its connections."""
         return self._bytes.get(owner, 0)
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the regions of all owners."""
+        """Bytes charged for the regions of all owners."""
         return self._total
 
     def register(self, fd: int, held: dict[str, Region], owner: Hashable = None) -> Region:
         """Take `fd` (closed here whatever happens; the mapping keeps the memory) as a new
-        region of the client whose regions are `held`, counted against `owner`'s bytes."""
+        region of the client whose regions are `held`, charged to `owner`'s bytes. A memfd that
+        passes the checks of what it is is sealed against growing, refused or not."""
         try:
             nbytes = check_sealed_memfd(fd)
             st = os.fstat(fd)
@@ -98,7 +108,8 @@ class RegionRegistry:
                 raise InvalidInputError(
                     "region", f"at most {self.max_regions} regions per client", f"{len(held) + 1}"
                 )
-            mine = self.bytes_of(owner) + nbytes
+            charged = charged_bytes(fd, nbytes)
+            mine = self.bytes_of(owner) + charged
             if mine > self.max_bytes:
                 raise InvalidInputError(
                     "region",
@@ -107,7 +118,7 @@ class RegionRegistry:
                     f"{mine} bytes",
                     "Unregister regions you no longer use",
                 )
-            if self._total + nbytes > self.max_total_bytes:
+            if self._total + charged > self.max_total_bytes:
                 raise ServiceUnavailableError(
                     f"region: the service holds {self._total} bytes of regions of all its "
                     f"clients, and takes at most {self.max_total_bytes}; try again later",
@@ -117,15 +128,16 @@ class RegionRegistry:
                 raise InvalidInputError(
                     "region", "each memfd registered once", "a memfd that is registered already"
                 )
+            seal_against_growth(fd)  # first: no page can come past its end once it is checked
             check_populated(fd, nbytes)
             buffer = self._map(fd, nbytes)
         finally:
             os.close(fd)
-        region = Region(secrets.token_urlsafe(18), nbytes, memory, buffer, owner)
+        region = Region(secrets.token_urlsafe(18), nbytes, charged, memory, buffer, owner)
         self._regions[region.handle] = region
         held[region.handle] = region
         self._bytes[owner] = mine
-        self._total += nbytes
+        self._total += charged
         return region
 
     def _map(self, fd: int, nbytes: int) -> SharedBuffer:
@@ -161,12 +173,12 @@ class RegionRegistry:
             return
         self.memo.clear()
         for region in ended:
-            left = self._bytes[region.owner] - region.nbytes
+            left = self._bytes[region.owner] - region.charged
             if left:
                 self._bytes[region.owner] = left
             else:
                 del self._bytes[region.owner]
-            self._total -= region.nbytes
+            self._total -= region.charged
             region.buffer.release()
 
     def resolve(self, handle: str) -> Region:
