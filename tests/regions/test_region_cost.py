@@ -1,8 +1,9 @@
 """Regions cost their owner, in this process (no service): a memfd's holes found at
 registration and when a request names it, pages past its end no part of it (and none can come
-there once it is registered), byte budgets per owner and over all owners charged by whole
-pages, one user's connections sharing one budget on the socket, and a region's memory given up
-the moment the region ends and no request in flight holds it (`SharedBuffer.release`)."""
+there once it is registered), write seals added after registering found when a request names
+it, byte budgets per owner and over all owners charged by whole pages, one user's connections
+sharing one budget on the socket, and a region's memory given up the moment the region ends and
+no request in flight holds it (`SharedBuffer.release`)."""
 
 from __future__ import annotations
 
@@ -163,17 +164,40 @@ def test_holes_punched_after_registering_refuse_the_tensors_in_that_region():
         region = registry.register(fd, {})
         q = TensorPlace(region.handle, 0, "F32", (16,))
         registry.tensor("q", q, ("F32",))
-        registry.check_populated({"q": q})
+        registry.check_usable({"q": q})
         punch_hole(probe, 32 * KiB, 4 * KiB)
         with pytest.raises(InvalidInputError, match=r"q: .*4096 of its region's 65536 bytes are"):
             registry.tensor("q", q, ("F32",))
         with pytest.raises(InvalidInputError, match="punch no holes"):
-            registry.check_populated({"q": q})
+            registry.check_usable({"q": q})
         assert held_bytes(probe) == 60 * KiB  # nothing faulted back in by the checks
         os.posix_fallocate(probe, 0, 64 * KiB)
-        registry.check_populated({"q": q})
+        registry.check_usable({"q": q})
     finally:
         os.close(probe)
+
+
+def test_a_write_seal_added_after_registering_refuses_the_tensors_in_that_region():
+    """F_SEAL_FUTURE_WRITE, which a client may add at any time, makes a worker's writable
+    mapping of the memfd fail (EPERM): a request naming the region is refused before one
+    tries, naming the tensor, its region and the seal."""
+    registry = _registry()
+    fd = create_sealed_memfd(64 * KiB)
+    probe = os.dup(fd)
+    try:
+        region = registry.register(fd, {})
+        q = TensorPlace(region.handle, 0, "F32", (16,))
+        fcntl.fcntl(probe, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+        says = rf"q\.region: .*got region '{region.handle}' sealed against writing"
+        with pytest.raises(InvalidInputError, match=says):
+            registry.tensor("q", q, ("F32",))
+        with pytest.raises(InvalidInputError, match=says):
+            registry.check_usable({"q": q})
+    finally:
+        os.close(probe)
+
+
+_F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl names it from 3.12
 
 
 # -- budgets ------------------------------------------------------------------------------------

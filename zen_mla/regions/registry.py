@@ -14,7 +14,9 @@ request names it refuses the request: pages a worker faulted into a hole would b
 memory, charged to it. What a client that punches holes between that check and a worker's read
 makes the service fault in is bounded by what its regions are charged: every page a worker can
 map (`charged_bytes`), against a budget per owner (the peer's uid on the region socket, over all
-its connections), and `max_total_bytes` caps the regions of all owners together.
+its connections), and `max_total_bytes` caps the regions of all owners together. A region sealed
+against writing since it was registered refuses the requests that name it the same way (a worker
+could not map it to write the outputs).
 
 `RegionRegistry` is owned by the event loop's thread (the region server and the HTTP handlers
 run there): it takes no lock.
@@ -40,6 +42,7 @@ from .memfd import (
     check_sealed_memfd,
     seal_against_growth,
     unpopulated,
+    writable,
 )
 
 __all__ = ["Region", "RegionRegistry", "Span", "check_disjoint"]
@@ -66,7 +69,7 @@ class RegionRegistry:
     `memo` is for what a caller derives from the regions as they are (a request's tensors,
     resolved): it is emptied whenever a region goes, so nothing kept there outlives a region
     or keeps its memory mapped. A caller that reuses what it kept checks that the regions are
-    still populated first (`check_populated`)."""
+    still usable first (`check_usable`)."""
 
     def __init__(
         self,
@@ -207,19 +210,20 @@ class RegionRegistry:
                 f"bytes [{place.offset}, {end}) inside its region of {region.nbytes} bytes",
                 f"a range past its end by {end - region.nbytes} bytes",
             )
-        _check_whole(name, region)
+        _check_usable(name, region)
         return region.buffer.tensor(place.offset, place.shape, dtype)
 
-    def check_populated(self, places: Mapping[str, TensorPlace]) -> None:
-        """Each region `places` names is registered and still has all its pages (a client may
-        punch holes in a region after registering it); InvalidInputError names the first
-        tensor that lies in one that has not. One `fstat` per region (~1-2 us): for a request
+    def check_usable(self, places: Mapping[str, TensorPlace]) -> None:
+        """Each region `places` names is registered, still has all its pages (a client may
+        punch holes in a region after registering it) and is not sealed against writing (a
+        client may add F_SEAL_FUTURE_WRITE); InvalidInputError names the first tensor that
+        lies in one that is not. One `fcntl` and one `fstat` per region (~2 us): for a request
         whose resolution was kept (`memo`), which `tensor()` then does not check again."""
         seen: set[str] = set()
         for name, place in places.items():
             if place.region not in seen:
                 seen.add(place.region)
-                _check_whole(name, self.resolve(place.region))
+                _check_usable(name, self.resolve(place.region))
 
     def check_disjoint(self, places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
         """The tensors named `outputs` overlap neither each other nor any other tensor in
@@ -271,7 +275,16 @@ def check_disjoint(spans: Sequence[Span], outputs: Sequence[str], alias: str) ->
                     )
 
 
-def _check_whole(name: str, region: Region) -> None:
+def _check_usable(name: str, region: Region) -> None:
+    """What a region must still be each time a request names it: writable by a worker, and
+    whole."""
+    if not writable(region.buffer.fd):
+        raise InvalidInputError(
+            f"{name}.region",
+            "a region the service may write (a worker maps it to write the outputs)",
+            f"region {_shown(region.handle)} sealed against writing since it was registered",
+            "Add no write seal to the memfd of a registered region",
+        )
     holes = unpopulated(region.buffer.fd, region.nbytes)
     if holes:
         raise InvalidInputError(
