@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,7 +30,6 @@ from tests.service.region_clients import (
     REGION_JSON,
     SharedMemfd,
     lay_out,
-    post_places,
     region_socket,
 )
 from tests.service.servers import Server, serve, server_fixture
@@ -104,6 +104,45 @@ def _call(client: RegionClient, places: dict, meta: dict | None = None) -> dict:
     return reply
 
 
+@dataclass
+class _Attacker:
+    """The hostile client's connection, a populated region of its own on it (`fd`, `region`)
+    and the places of a request laid out there."""
+
+    server: Server
+    client: RegionClient
+    fd: int
+    region: SharedMemfd
+    places: dict
+
+    def refused(self, route: str, body: str) -> dict:
+        """The problem `body` (a regions JSON request) is refused with, over `route` (the
+        socket's call, or HTTP): a 422's."""
+        if route == "socket":
+            reply = self.client.try_call(call_fields({"body": body}), 60)
+            assert reply is not None and reply.get("status") == 422, reply
+            return reply
+        with self.server.client() as c:
+            r = c.post("/prefill", content=body, headers=REGION_JSON)
+        assert r.status_code == 422, r.text
+        return dict(r.json())
+
+
+@contextlib.contextmanager
+def _attacking(server: Server, nbytes: int, tokens: int) -> Iterator[_Attacker]:
+    fd = _memfd(nbytes)
+    os.posix_fallocate(fd, 0, nbytes)
+    client = RegionClient(region_socket(server), None)
+    try:
+        region = SharedMemfd(fd, nbytes)
+        region.handle = client.register(fd)
+        places, _ = lay_out(region, tokens, lse=False)
+        yield _Attacker(server, client, fd, region, places)
+    finally:
+        client.close()
+        os.close(fd)
+
+
 # -- A: memory the client did not populate ---------------------------------------------------------
 
 REGION = 32 * MiB
@@ -168,32 +207,18 @@ def test_holes_hidden_by_pages_past_the_end_refuse_the_call(hostile, legitimate,
     out of k: `st_blocks` saw the region whole, and the next call made a worker fault k's pages
     back in, the service's memory. The call is refused naming a tensor in the region, with
     nothing faulted in."""
-    fd = _memfd(8 * MiB)
-    os.posix_fallocate(fd, 0, 8 * MiB)
-    attacker = RegionClient(region_socket(hostile), None)
-    try:
-        region = SharedMemfd(fd, 8 * MiB)
-        region.handle = attacker.register(fd)
-        places, _ = lay_out(region, 4096, lse=False)
-        assert _call(attacker, places)["ok"]
+    with _attacking(hostile, 8 * MiB, 4096) as attacker:
+        fd, places = attacker.fd, attacker.places
+        assert _call(attacker.client, places)["ok"]
         k = places["k"]
         with contextlib.suppress(PermissionError):  # sealed against growing as it was taken
             allocate_past_end(fd, k.nbytes)
         punch_hole(fd, k.offset, k.nbytes)
         before = inside_bytes(fd)
-        if route == "socket":
-            reply = _call(attacker, places)
-            assert reply.get("status") == 422 and "holes" in reply["error"], reply
-            assert reply["tensor"] in places, reply
-        else:
-            r = post_places(hostile, places)
-            assert r.status_code == 422 and "holes" in r.text, r.text
-            assert r.json()["tensor"] in places, r.text
+        problem = attacker.refused(route, rr.encode(places).decode())
+        assert "holes" in problem["detail"] and problem["tensor"] in places, problem
         assert inside_bytes(fd) == before == 8 * MiB - k.nbytes
         legitimate.check()
-    finally:
-        attacker.close()
-        os.close(fd)
 
 
 # -- B: dims past the cap --------------------------------------------------------------------------
@@ -211,33 +236,16 @@ def test_dims_past_the_cap_are_422s_naming_the_tensor_and_field(hostile, legitim
     """A dim of 2^64 beside a 0 (no bytes to check a range by) reached torch's view(): a 500
     InternalError with a traceback in the log, one per request. Sixty requests, over HTTP and
     over the socket, each a 422 naming `<tensor>.shape`."""
-    fd = _memfd(MiB)
-    os.posix_fallocate(fd, 0, MiB)
-    attacker = RegionClient(region_socket(hostile), None)
-    try:
-        region = SharedMemfd(fd, MiB)
-        region.handle = attacker.register(fd)
-        places, _ = lay_out(region, 64, lse=False)
-        good = json.loads(rr.encode(places))
+    with _attacking(hostile, MiB, 64) as attacker:
+        good = json.loads(rr.encode(attacker.places))
         for i in range(60):
             name, shape = PAST_THE_CAP[i % len(PAST_THE_CAP)]
             body = json.dumps({**good, name: {**good[name], "shape": shape}})
-            if i % 2:
-                reply = attacker.try_call(call_fields({"body": body}), 60)
-                assert reply is not None and reply.get("status") == 422, reply
-                problem = reply
-            else:
-                with hostile.client() as c:
-                    r = c.post("/prefill", content=body, headers=REGION_JSON)
-                assert r.status_code == 422, r.text
-                problem = r.json()
+            problem = attacker.refused("socket" if i % 2 else "http", body)
             assert problem["tensor"] == f"{name}.shape" and "2^48" in problem["detail"], problem
             if i % 10 == 9:
                 legitimate.check()
-        assert _call(attacker, places)["ok"]  # the region and the connection are fine
-    finally:
-        attacker.close()
-        os.close(fd)
+        assert _call(attacker.client, attacker.places)["ok"]  # the region and connection go on
 
 
 # -- C: a write seal added after registering -------------------------------------------------------
@@ -250,35 +258,19 @@ def test_a_region_sealed_against_writing_after_registering_is_a_422_naming_it(
     """F_SEAL_FUTURE_WRITE added after registering made the worker's mmap of the region fail
     (EPERM): a 500 KernelError. The call is refused naming the tensor's region, and the
     connection, its other regions and the worker go on."""
-    fd = _memfd(MiB)
-    os.posix_fallocate(fd, 0, MiB)
-    attacker = RegionClient(region_socket(hostile), None)
-    try:
-        region = SharedMemfd(fd, MiB)
-        region.handle = attacker.register(fd)
-        places, _ = lay_out(region, 64, lse=False)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+    with _attacking(hostile, MiB, 64) as attacker:
+        fcntl.fcntl(attacker.fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
         for _ in range(3):
-            if route == "socket":
-                problem = _call(attacker, places)
-                assert problem.get("status") == 422, problem
-            else:
-                r = post_places(hostile, places)
-                assert r.status_code == 422, r.text
-                problem = r.json()
+            problem = attacker.refused(route, rr.encode(attacker.places).decode())
             assert problem["tensor"] == "q.region", problem
-            assert (
-                region.handle in problem["detail"] and "sealed against writing" in problem["detail"]
-            )
+            detail = problem["detail"]
+            assert attacker.region.handle in detail and "sealed against writing" in detail
             legitimate.check()
         fine = _memfd(MiB)
         os.posix_fallocate(fine, 0, MiB)
         other = SharedMemfd(fine, MiB)
-        other.handle = attacker.register(fine)
+        other.handle = attacker.client.register(fine)
         os.close(fine)
         places, (q, k, v, cu, out) = lay_out(other, 64, lse=False)
-        assert _call(attacker, places)["ok"]
+        assert _call(attacker.client, places)["ok"]
         assert torch.allclose(out, zen_mla.ragged_attention(q, k, v, cu), atol=1e-5, rtol=1e-4)
-    finally:
-        attacker.close()
-        os.close(fd)
