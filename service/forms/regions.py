@@ -86,7 +86,7 @@ class RegionsRequest:
         self._key = ("resolved", bytes(body))
         kept = registry.memo.get(self._key)
         if isinstance(kept, Resolved):
-            registry.check_populated(kept.places)  # holes punched since it was kept
+            registry.check_usable(kept.places)  # holes punched or a write seal added since kept
             self.resolved = kept
             return kept
         message = regions_json.decode(body, regions_json.REQUEST_NAMES)

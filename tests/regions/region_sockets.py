@@ -91,9 +91,37 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
+def allocate_past_end(fd: int, nbytes: int) -> None:
+    """Pages for `nbytes` past the end of `fd`, its size kept (fallocate with KEEP_SIZE): memory
+    the file holds (`held_bytes`) that no mapping of its size reaches."""
+    end = os.fstat(fd).st_size
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, ctypes.c_long(end), ctypes.c_long(nbytes)):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def held_bytes(fd: int) -> int:
-    """The memory the file behind `fd` holds (its pages, written or fallocated)."""
+    """The memory the file behind `fd` holds (its pages, written or fallocated), past its end
+    too."""
     return os.fstat(fd).st_blocks * 512
+
+
+class _Range(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = tuple((n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "r"))
+
+
+def inside_bytes(fd: int) -> int:
+    """The memory behind the bytes of `fd` up to its size (its pages there, written or
+    fallocated, in memory or swapped out): `cachestat` (Linux 6.5) over that range."""
+    where, stat = _Range(0, max(os.fstat(fd).st_size, 1)), _CacheStat()
+    if _libc.syscall(451, fd, ctypes.byref(where), ctypes.byref(stat), 0):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(stat.cache + stat.evicted) * os.sysconf("SC_PAGE_SIZE")
 
 
 def service_pids(pid: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""The sealed memfds behind regions (zen_mla.regions.memfd): made sealed against shrinking,
-and anything else refused with a named error."""
+"""The sealed memfds behind regions (zen_mla.regions.memfd): made sealed against shrinking and
+growing, and anything else refused with a named error."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ def test_a_sealed_memfd_passes_and_anything_else_is_named():
     fd = create_sealed_memfd(4096)
     try:
         assert check_sealed_memfd(fd) == 4096
-        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
-        with pytest.raises(PermissionError):
-            os.ftruncate(fd, 1024)  # the seal holds
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals
+        for size in (1024, 8192):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)  # the seals hold
     finally:
         os.close(fd)
     unsealed = os.memfd_create("x", os.MFD_CLOEXEC)

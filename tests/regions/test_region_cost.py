@@ -1,21 +1,34 @@
 """Regions cost their owner, in this process (no service): a memfd's holes found at
-registration and when a request names it, byte budgets per owner and over all owners, one user's
-connections sharing one budget on the socket, and a region's memory given up the moment the
-region ends and no request in flight holds it (`SharedBuffer.release`)."""
+registration and when a request names it, pages past its end no part of it (and none can come
+there once it is registered), write seals added after registering found when a request names
+it, byte budgets per owner and over all owners charged by whole pages, one user's connections
+sharing one budget on the socket, and a region's memory given up the moment the region ends and
+no request in flight holds it (`SharedBuffer.release`)."""
 
 from __future__ import annotations
 
-import ctypes
+import errno
+import fcntl
 import gc
 import os
 
 import pytest
 import torch
 
+from tests.memfds import sealed
 from tests.processes import eventually
-from tests.regions.region_sockets import held_bytes, mapping, maps_memfd, punch_hole, running
+from tests.regions.region_sockets import (
+    allocate_past_end,
+    held_bytes,
+    inside_bytes,
+    mapping,
+    maps_memfd,
+    punch_hole,
+    running,
+)
 from zen_mla import InvalidInputError, ServiceUnavailableError
 from zen_mla.pool import SharedBuffer
+from zen_mla.regions import memfd
 from zen_mla.regions.memfd import check_populated, create_sealed_memfd, unpopulated
 from zen_mla.regions.protocol import recv_frame, send_frame
 from zen_mla.regions.registry import RegionRegistry
@@ -30,10 +43,8 @@ def _registry(**limits: int) -> RegionRegistry:
 
 
 def _sparse(nbytes: int) -> int:
-    """A sealed memfd of `nbytes` with no page behind it."""
-    fd = create_sealed_memfd(nbytes)
-    punch_hole(fd, 0, nbytes)
-    return fd
+    """A memfd of `nbytes` sealed against shrinking only, with no page behind it."""
+    return sealed(fcntl.F_SEAL_SHRINK, nbytes)
 
 
 # -- holes --------------------------------------------------------------------------------------
@@ -54,15 +65,78 @@ def test_a_memfd_made_here_is_populated_and_holes_are_counted():
         os.close(fd)
 
 
-def test_pages_held_past_the_end_count_as_the_clients():
-    """A memfd that holds as much memory as its size, some of it past its end (fallocate with
-    KEEP_SIZE), is populated: whatever a worker faults into its holes, its client holds as
-    much again."""
-    fd = _sparse(8 * KiB)
+def _growing(nbytes: int) -> int:
+    """A memfd of `nbytes`, populated, sealed against shrinking only (as a client of another
+    language may hand one over)."""
+    fd = sealed(fcntl.F_SEAL_SHRINK, nbytes)
+    os.posix_fallocate(fd, 0, nbytes)
+    return fd
+
+
+@pytest.mark.parametrize("inside", ["holes", "populated"])
+def test_pages_held_past_the_end_are_no_part_of_the_region(inside):
+    """A memfd holding as many bytes as its size, all of them past its end (fallocate with
+    KEEP_SIZE), was taken as populated: a worker then faulted the whole region in, the
+    service's memory, and the client gave its own pages back. Pages past the end are refused,
+    holes inside or not (they could stand for holes punched later)."""
+    registry = _registry()
+    fd = _sparse(64 * KiB) if inside == "holes" else _growing(64 * KiB)
+    probe = os.dup(fd)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.fallocate(fd, 1, ctypes.c_long(8 * KiB), ctypes.c_long(8 * KiB)) == 0
-        assert unpopulated(fd, 8 * KiB) == 0
+        allocate_past_end(probe, 64 * KiB)
+        with pytest.raises(InvalidInputError, match="65536 bytes of pages past its 65536 bytes"):
+            registry.register(fd, {})
+        assert len(registry) == 0 and registry.total_bytes == 0
+        assert inside_bytes(probe) == (0 if inside == "holes" else 64 * KiB)  # none faulted in
+    finally:
+        os.close(probe)
+
+
+def test_a_registered_memfd_can_hold_no_page_past_its_end():
+    """Sealed against growing as it is taken (where its client has not): pages fallocated past
+    its end after registering would hide as many holes punched inside from the check of each
+    request (`st_blocks`)."""
+    registry = _registry()
+    fd = _growing(64 * KiB)
+    probe = os.dup(fd)
+    try:
+        region = registry.register(fd, {})
+        assert fcntl.fcntl(probe, fcntl.F_GET_SEALS) & fcntl.F_SEAL_GROW
+        with pytest.raises(OSError) as refused:
+            allocate_past_end(probe, 64 * KiB)
+        assert refused.value.errno == errno.EPERM
+        punch_hole(probe, 0, 4 * KiB)
+        with pytest.raises(InvalidInputError, match="4096 of its region's 65536 bytes are holes"):
+            registry.tensor("q", TensorPlace(region.handle, 0, "F32", (16,)), ("F32",))
+    finally:
+        os.close(probe)
+
+
+def test_a_memfd_whose_seals_are_sealed_must_be_sealed_against_growing():
+    registry = _registry()
+    fd = sealed(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    os.posix_fallocate(fd, 0, 4 * KiB)
+    with pytest.raises(InvalidInputError, match="F_SEAL_GROW"):
+        registry.register(fd, {})
+    fd = sealed(fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    os.posix_fallocate(fd, 0, 4 * KiB)
+    registry.register(fd, {})
+    assert len(registry) == 1
+
+
+def test_without_cachestat_only_more_pages_than_the_region_holds_are_told_past_its_end(
+    monkeypatch,
+):
+    """A kernel before 6.5 (no `cachestat`; a call number it does not know answers ENOSYS the
+    same way) tells pages past the end only from `st_blocks` beyond the region's pages."""
+    monkeypatch.setattr(memfd, "_SYS_CACHESTAT", 100_000)
+    fd = _growing(64 * KiB)
+    try:
+        allocate_past_end(fd, 8 * KiB)
+        with pytest.raises(InvalidInputError, match="8192 bytes of pages past"):
+            check_populated(fd, 64 * KiB)
+        punch_hole(fd, 0, 8 * KiB)
+        check_populated(fd, 64 * KiB)  # as many holes inside as pages past: not told apart
     finally:
         os.close(fd)
 
@@ -90,17 +164,40 @@ def test_holes_punched_after_registering_refuse_the_tensors_in_that_region():
         region = registry.register(fd, {})
         q = TensorPlace(region.handle, 0, "F32", (16,))
         registry.tensor("q", q, ("F32",))
-        registry.check_populated({"q": q})
+        registry.check_usable({"q": q})
         punch_hole(probe, 32 * KiB, 4 * KiB)
         with pytest.raises(InvalidInputError, match=r"q: .*4096 of its region's 65536 bytes are"):
             registry.tensor("q", q, ("F32",))
         with pytest.raises(InvalidInputError, match="punch no holes"):
-            registry.check_populated({"q": q})
+            registry.check_usable({"q": q})
         assert held_bytes(probe) == 60 * KiB  # nothing faulted back in by the checks
         os.posix_fallocate(probe, 0, 64 * KiB)
-        registry.check_populated({"q": q})
+        registry.check_usable({"q": q})
     finally:
         os.close(probe)
+
+
+def test_a_write_seal_added_after_registering_refuses_the_tensors_in_that_region():
+    """F_SEAL_FUTURE_WRITE, which a client may add at any time, makes a worker's writable
+    mapping of the memfd fail (EPERM): a request naming the region is refused before one
+    tries, naming the tensor, its region and the seal."""
+    registry = _registry()
+    fd = create_sealed_memfd(64 * KiB)
+    probe = os.dup(fd)
+    try:
+        region = registry.register(fd, {})
+        q = TensorPlace(region.handle, 0, "F32", (16,))
+        fcntl.fcntl(probe, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+        says = rf"q\.region: .*got region '{region.handle}' sealed against writing"
+        with pytest.raises(InvalidInputError, match=says):
+            registry.tensor("q", q, ("F32",))
+        with pytest.raises(InvalidInputError, match=says):
+            registry.check_usable({"q": q})
+    finally:
+        os.close(probe)
+
+
+_F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl names it from 3.12
 
 
 # -- budgets ------------------------------------------------------------------------------------
@@ -133,6 +230,19 @@ def test_all_owners_together_stay_under_the_total():
     registry.unregister(a.handle, held)
     registry.register(create_sealed_memfd(4 * KiB), {}, owner=3)
     assert registry.total_bytes == 68 * KiB
+
+
+def test_a_region_is_charged_every_page_a_worker_may_fault_in():
+    """A worker's mapping faults whole pages in: a region of 5000 bytes may cost two."""
+    registry = _registry(max_bytes=12 * KiB)
+    held: dict = {}
+    region = registry.register(create_sealed_memfd(5000), held, owner=1)
+    assert region.nbytes == 5000 and registry.bytes_of(1) == registry.total_bytes == 8 * KiB
+    registry.register(create_sealed_memfd(1), held, owner=1)
+    with pytest.raises(InvalidInputError, match="got 16384 bytes"):
+        registry.register(create_sealed_memfd(1), held, owner=1)
+    registry.drop(held)
+    assert registry.bytes_of(1) == registry.total_bytes == 0
 
 
 def test_the_total_defaults_to_the_hosts_memory():

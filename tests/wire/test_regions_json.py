@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,6 +61,49 @@ BAD_BODIES = {
 def test_bad_bodies_are_named_errors(body, error):
     with pytest.raises(error or InvalidInputError):
         rr.decode(body, NAMES)
+
+
+def _q(shape: object, offset: object = 0) -> bytes:
+    place = {"region": "h", "offset": offset, "dtype": "BF16", "shape": shape}
+    return json.dumps({"q": place}).encode()
+
+
+#: counts past the cap every wire holds a client's to (MAX_DIM, 2^48): the field each names
+PAST_THE_CAP = {
+    "dim_2_64": (_q([1 << 64, 16, 192]), "q.shape"),
+    "dim_2_48": (_q([4, 1 << 48, 192]), "q.shape"),
+    "huge_dim_beside_a_zero": (_q([0, 1 << 64, 192]), "q.shape"),
+    "elements_of_an_empty_view": (_q([1 << 47, 1 << 47, 0]), "q.shape"),
+    "offset_2_64": (_q([4, 16, 192], 1 << 64), "q.offset"),
+}
+
+
+@pytest.mark.parametrize("body, field", PAST_THE_CAP.values(), ids=PAST_THE_CAP.keys())
+def test_counts_past_the_cap_are_refused_naming_the_tensor_and_field(body, field):
+    """A dim of 2^64 beside a 0 (a view of no bytes, which passes any range check) reached
+    torch, whose view() overflowed: a 500 with a traceback in the service's log."""
+    with pytest.raises(InvalidInputError) as refused:
+        rr.decode(body, NAMES)
+    assert refused.value.name == field
+    assert "2^48" in str(refused.value)
+
+
+#: dims as a client may send them: small, 0, or powers of two up to past any cap
+_DIMS = st.integers(0, 64) | st.just(0) | st.integers(0, 70).map(lambda e: 1 << e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_DIMS, max_size=4))
+def test_every_shape_decoded_makes_a_view_of_its_bytes(shape):
+    """What decodes is a shape torch can view its bytes as (no overflow of its sizes or
+    strides), also where a 0 leaves no bytes to check a range by."""
+    try:
+        place = rr.decode(_q(shape), NAMES).places["q"]
+    except InvalidInputError as exc:
+        assert exc.name == "q.shape"
+        return
+    if place.nbytes <= 1 << 20:
+        torch.empty(place.nbytes, dtype=torch.uint8).view(torch.bfloat16).view(place.shape)
 
 
 @settings(max_examples=300, deadline=None)

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import parts_of
+from ..errors import InvalidInputError, parts_of
 from ._messages import (
     Beat,
     Done,
@@ -243,6 +243,12 @@ class _Mapped:
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
             m = mmap.mmap(fd, max(nbytes, 1), flags=flags)
+        except PermissionError:  # a client's memfd sealed against writing since it was checked
+            raise InvalidInputError(
+                "region",
+                "a memfd a worker may map to write the outputs",
+                "one sealed against writing (F_SEAL_FUTURE_WRITE) since the service checked it",
+            ) from None
         finally:
             os.close(fd)
         self._views.clear()

@@ -8,11 +8,15 @@ the socket; a request in flight keeps its mapping alive until it finishes, and t
 unmaps it at once and the workers are told to (`SharedBuffer.release`).
 
 Regions cost their owner. A memfd whose pages are not all populated is refused at registration,
-and a region found with holes when a request names it refuses the request: pages a worker
-faulted into a hole would be the service's memory, charged to it. What a client that punches
-holes between that check and a worker's read makes the service fault in is bounded by its byte
-budget. The budget is per owner (the peer's uid on the region socket, over all its connections),
-and `max_total_bytes` caps the regions of all owners together.
+as is one holding pages past its end (they would stand for holes inside it); it is sealed against
+growing as it is taken, so none can come to lie there later. A region found with holes when a
+request names it refuses the request: pages a worker faulted into a hole would be the service's
+memory, charged to it. What a client that punches holes between that check and a worker's read
+makes the service fault in is bounded by what its regions are charged: every page a worker can
+map (`charged_bytes`), against a budget per owner (the peer's uid on the region socket, over all
+its connections), and `max_total_bytes` caps the regions of all owners together. A region sealed
+against writing since it was registered refuses the requests that name it the same way (a worker
+could not map it to write the outputs).
 
 `RegionRegistry` is owned by the event loop's thread (the region server and the HTTP handlers
 run there): it takes no lock.
@@ -32,7 +36,14 @@ from ..errors import InvalidInputError, ServiceUnavailableError
 from ..pool import SharedBuffer
 from ..wire.dtypes import BY_SAFETENSORS
 from ..wire.regions_json import TensorPlace
-from .memfd import check_populated, check_sealed_memfd, unpopulated
+from .memfd import (
+    charged_bytes,
+    check_populated,
+    check_sealed_memfd,
+    seal_against_growth,
+    unpopulated,
+    writable,
+)
 
 __all__ = ["Region", "RegionRegistry", "Span", "check_disjoint"]
 
@@ -43,6 +54,7 @@ class Region:
 
     handle: str
     nbytes: int
+    charged: int  # what its owner's budget counts: every page a worker may fault in
     memory: tuple[int, int]  # (st_dev, st_ino): two handles of one memfd are one memory
     buffer: SharedBuffer
     owner: Hashable  # whose byte budget it counts against: the peer's uid on the region socket
@@ -57,7 +69,7 @@ class RegionRegistry:
     `memo` is for what a caller derives from the regions as they are (a request's tensors,
     resolved): it is emptied whenever a region goes, so nothing kept there outlives a region
     or keeps its memory mapped. A caller that reuses what it kept checks that the regions are
-    still populated first (`check_populated`)."""
+    still usable first (`check_usable`)."""
 
     def __init__(
         self,
@@ -79,17 +91,18 @@ class RegionRegistry:
         return len(self._regions)
 
     def bytes_of(self, owner: Hashable) -> int:
-        """Bytes of the regions `owner` holds, over all its connections."""
+        """Bytes charged for the regions `owner` holds, over all its connections."""
         return self._bytes.get(owner, 0)
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the regions of all owners."""
+        """Bytes charged for the regions of all owners."""
         return self._total
 
     def register(self, fd: int, held: dict[str, Region], owner: Hashable = None) -> Region:
         """Take `fd` (closed here whatever happens; the mapping keeps the memory) as a new
-        region of the client whose regions are `held`, counted against `owner`'s bytes."""
+        region of the client whose regions are `held`, charged to `owner`'s bytes. A memfd that
+        passes the checks of what it is is sealed against growing, refused or not."""
         try:
             nbytes = check_sealed_memfd(fd)
             st = os.fstat(fd)
@@ -98,7 +111,8 @@ class RegionRegistry:
                 raise InvalidInputError(
                     "region", f"at most {self.max_regions} regions per client", f"{len(held) + 1}"
                 )
-            mine = self.bytes_of(owner) + nbytes
+            charged = charged_bytes(fd, nbytes)
+            mine = self.bytes_of(owner) + charged
             if mine > self.max_bytes:
                 raise InvalidInputError(
                     "region",
@@ -107,7 +121,7 @@ class RegionRegistry:
                     f"{mine} bytes",
                     "Unregister regions you no longer use",
                 )
-            if self._total + nbytes > self.max_total_bytes:
+            if self._total + charged > self.max_total_bytes:
                 raise ServiceUnavailableError(
                     f"region: the service holds {self._total} bytes of regions of all its "
                     f"clients, and takes at most {self.max_total_bytes}; try again later",
@@ -117,15 +131,16 @@ class RegionRegistry:
                 raise InvalidInputError(
                     "region", "each memfd registered once", "a memfd that is registered already"
                 )
+            seal_against_growth(fd)  # first: no page can come past its end once it is checked
             check_populated(fd, nbytes)
             buffer = self._map(fd, nbytes)
         finally:
             os.close(fd)
-        region = Region(secrets.token_urlsafe(18), nbytes, memory, buffer, owner)
+        region = Region(secrets.token_urlsafe(18), nbytes, charged, memory, buffer, owner)
         self._regions[region.handle] = region
         held[region.handle] = region
         self._bytes[owner] = mine
-        self._total += nbytes
+        self._total += charged
         return region
 
     def _map(self, fd: int, nbytes: int) -> SharedBuffer:
@@ -161,12 +176,12 @@ class RegionRegistry:
             return
         self.memo.clear()
         for region in ended:
-            left = self._bytes[region.owner] - region.nbytes
+            left = self._bytes[region.owner] - region.charged
             if left:
                 self._bytes[region.owner] = left
             else:
                 del self._bytes[region.owner]
-            self._total -= region.nbytes
+            self._total -= region.charged
             region.buffer.release()
 
     def resolve(self, handle: str) -> Region:
@@ -195,19 +210,20 @@ class RegionRegistry:
                 f"bytes [{place.offset}, {end}) inside its region of {region.nbytes} bytes",
                 f"a range past its end by {end - region.nbytes} bytes",
             )
-        _check_whole(name, region)
+        _check_usable(name, region)
         return region.buffer.tensor(place.offset, place.shape, dtype)
 
-    def check_populated(self, places: Mapping[str, TensorPlace]) -> None:
-        """Each region `places` names is registered and still has all its pages (a client may
-        punch holes in a region after registering it); InvalidInputError names the first
-        tensor that lies in one that has not. One `fstat` per region (~1-2 us): for a request
+    def check_usable(self, places: Mapping[str, TensorPlace]) -> None:
+        """Each region `places` names is registered, still has all its pages (a client may
+        punch holes in a region after registering it) and is not sealed against writing (a
+        client may add F_SEAL_FUTURE_WRITE); InvalidInputError names the first tensor that
+        lies in one that is not. One `fcntl` and one `fstat` per region (~2 us): for a request
         whose resolution was kept (`memo`), which `tensor()` then does not check again."""
         seen: set[str] = set()
         for name, place in places.items():
             if place.region not in seen:
                 seen.add(place.region)
-                _check_whole(name, self.resolve(place.region))
+                _check_usable(name, self.resolve(place.region))
 
     def check_disjoint(self, places: Mapping[str, TensorPlace], outputs: tuple[str, ...]) -> None:
         """The tensors named `outputs` overlap neither each other nor any other tensor in
@@ -259,7 +275,16 @@ def check_disjoint(spans: Sequence[Span], outputs: Sequence[str], alias: str) ->
                     )
 
 
-def _check_whole(name: str, region: Region) -> None:
+def _check_usable(name: str, region: Region) -> None:
+    """What a region must still be each time a request names it: writable by a worker, and
+    whole."""
+    if not writable(region.buffer.fd):
+        raise InvalidInputError(
+            f"{name}.region",
+            "a region the service may write (a worker maps it to write the outputs)",
+            f"region {_shown(region.handle)} sealed against writing since it was registered",
+            "Add no write seal to the memfd of a registered region",
+        )
     holes = unpopulated(region.buffer.fd, region.nbytes)
     if holes:
         raise InvalidInputError(

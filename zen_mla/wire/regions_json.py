@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ..errors import InvalidInputError, WireFormatError
 from .dtypes import BY_SAFETENSORS
 from .safetensors import (
+    MAX_DIM,
     MAX_HEADER_BYTES,
     MAX_METADATA_VALUE,
     REQUEST_TENSORS,
@@ -96,10 +97,32 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def _whole(name: str, field: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidInputError(f"{name}.{field}", f"a whole number >= {low}", repr(value)[:40])
+def _whole(name: str, field: str, value: object) -> int:
+    """A count of the client's: a whole number 0 <= value < MAX_DIM, as every wire caps one."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_DIM:
+        raise InvalidInputError(f"{name}.{field}", "a whole number 0 <= n < 2^48", repr(value)[:40])
     return value
+
+
+def _shape(name: str, shape: object) -> tuple[int, ...]:
+    """At most `_MAX_DIMS` dims, each a count (`_whole`), and fewer than MAX_DIM elements
+    counting a 0 dim as 1: torch sizes a view of no elements by its other dims all the same,
+    and [2^47, 2^47, 0] overflows them."""
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+        raise InvalidInputError(
+            f"{name}.shape", f"a list of <= {_MAX_DIMS} sizes", repr(shape)[:80]
+        )
+    dims = tuple(_whole(name, "shape", d) for d in shape)
+    elements = 1
+    for d in dims:
+        elements *= max(d, 1)
+    if elements >= MAX_DIM:
+        raise InvalidInputError(
+            f"{name}.shape",
+            "fewer than 2^48 elements (a 0 dim counted as 1)",
+            str(list(dims))[:80],
+        )
+    return dims
 
 
 def _place(name: str, raw: object) -> TensorPlace:
@@ -114,10 +137,7 @@ def _place(name: str, raw: object) -> TensorPlace:
         raise InvalidInputError(
             f"{name}.dtype", f"one of {', '.join(BY_SAFETENSORS)}", repr(dtype)[:40]
         )
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-        raise InvalidInputError(f"{name}.shape", f"a list of <= {_MAX_DIMS} sizes", repr(shape))
-    dims = tuple(_whole(name, "shape", d, 0) for d in shape)
-    return TensorPlace(region, _whole(name, "offset", raw["offset"], 0), dtype, dims)
+    return TensorPlace(region, _whole(name, "offset", raw["offset"]), dtype, _shape(name, shape))
 
 
 def decode(body: bytes, names: frozenset[str]) -> RegionMessage:
