@@ -126,7 +126,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     server = RegionServer(
         path,
         registry,
-        token=s.api_token.get_secret_value() if s.api_token is not None else None,
+        authorize=state.tenants.client if state.tenants.required else None,
         max_clients=s.shm_max_clients,
         instance=state.instance,
         # the HTTP door's rule for a request's head holds for hello and for every frame

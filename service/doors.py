@@ -67,15 +67,19 @@ class HttpDoor:
 
 
 class CallDoor:
-    """A prefill frame on the region socket: its client is the peer's uid (SO_PEERCRED), its
-    token was checked by the socket's hello, its bytes are the frame's `body`, and the socket's
-    end is `gone`."""
+    """A prefill frame on the region socket: its client is the tenant the socket's hello token
+    named, else the peer's uid (SO_PEERCRED); its token was checked by that hello, its bytes are
+    the frame's `body`, and the socket's end is `gone`."""
 
     def __init__(
-        self, message: dict[str, Any], gone: asyncio.Future[None], uid: int | None
+        self,
+        message: dict[str, Any],
+        gone: asyncio.Future[None],
+        uid: int | None,
+        tenant: Hashable = None,
     ) -> None:
         self.message = message
-        self.client: Hashable = client_of(uid)
+        self.client: Hashable = tenant if tenant is not None else client_of(uid)
         self._gone = gone
 
     def authorize(self, tenants: Tenants) -> None:

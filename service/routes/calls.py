@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Hashable
 from typing import Any
 
 from zen_mla.regions import Calls
@@ -29,6 +30,7 @@ async def _call(
     gone: asyncio.Future[None],
     fd: int,
     uid: int | None,
+    tenant: Hashable,
 ) -> Frame | None:
     form = CallForm(state.regions, message.get("call"), fd)
-    return await serve(state, CallDoor(message, gone, uid), form)
+    return await serve(state, CallDoor(message, gone, uid, tenant), form)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from zen_mla.pool import SharedBuffer
 from zen_mla.regions.protocol import recv_frame
 from zen_mla.regions.registry import RegionRegistry
-from zen_mla.regions.server import RegionServer
+from zen_mla.regions.server import RegionServer, token_check
 
 T = TypeVar("T")
 
@@ -49,7 +49,10 @@ def running(tmp: Path, token: str | None = None, **limits: Any) -> Iterator[Runn
     8 unless given), serving until the block ends."""
     registry = RegionRegistry(max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt)
     limits.setdefault("max_clients", 8)
-    server = RegionServer(str(tmp / "regions.sock"), registry, token=token, instance="x", **limits)
+    check = None if token is None else token_check(token)
+    server = RegionServer(
+        str(tmp / "regions.sock"), registry, authorize=check, instance="x", **limits
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

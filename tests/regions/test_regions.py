@@ -254,7 +254,7 @@ def test_the_socket_folder_must_be_ours_and_closed_to_others(tmp_path):
     os.chmod(open_folder, 0o777)
 
     async def start(path):
-        server = RegionServer(str(path), registry, token=None, max_clients=1, instance="x")
+        server = RegionServer(str(path), registry, authorize=None, max_clients=1, instance="x")
         server.start()
         mode = os.stat(path).st_mode & 0o777
         server.close()

@@ -15,10 +15,14 @@ import httpx
 import pytest
 import torch
 
+import zen_mla
+from tests.processes import wait_for
 from tests.service.attacks import LOCKOUT_S, during, legitimate, silent_heads
 from tests.service.bodies import OCTET, body_of, good_tensors
 from tests.service.raw import MIB, prefill_head
 from tests.service.servers import Server, serve
+from zen_mla import SharedMemoryUnavailableError
+from zen_mla.client import PrefillClient
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +48,15 @@ def test_a_forwarded_address_counts_only_from_a_proxy_the_operator_names(tmp_pat
     forged = {"X-Forwarded-For": "10.9.9.9"}
     with serve(tmp_path, workers=1, log=tmp_path / "default.log") as s:
         assert _post(s, forged).status_code == 200
-        assert _clients(s)[-1] == "addr:127.0.0.1", "a header named the client"
+        wait_for(lambda: _clients(s)[-1:] == ["addr:127.0.0.1"], 10, "a header named the client")
     with serve(
         tmp_path, workers=1, forwarded_allow_ips="127.0.0.1", log=tmp_path / "proxied.log"
     ) as s:
         assert _post(s, forged).status_code == 200
-        assert _clients(s)[-1] == "addr:10.9.9.9"
+        wait_for(lambda: _clients(s)[-1:] == ["addr:10.9.9.9"], 10, "the proxy's client")
         # another peer is no proxy of the operator's: its header counts for nothing
         assert _post(s, forged, source="127.0.0.2").status_code == 200
-        assert _clients(s)[-1] == "addr:127.0.0.2"
+        wait_for(lambda: _clients(s)[-1:] == ["addr:127.0.0.2"], 10, "the peer itself")
 
 
 @pytest.fixture
@@ -75,9 +79,23 @@ def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenan
     ) as s:
         for token, client in [("token-a", "tenant:team-a"), ("shared-token", "tenant:*")]:
             assert _post(s, {"Authorization": f"Bearer {token}"}).status_code == 200
-            assert _clients(s)[-1] == client
+            wait_for(lambda c=client: _clients(s)[-1:] == [c], 10, f"{client} in the log")
         for bad in ({}, {"Authorization": "Bearer token-c"}, {"Authorization": "token-a"}):
             assert _post(s, bad).status_code == 401
+        # on the region socket, the hello's token names the tenant its calls count for
+        tensors = good_tensors()
+        expected = zen_mla.ragged_attention(
+            tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"]
+        )
+        with PrefillClient(s.url, token="token-b", shared_memory=True) as c:
+            out = c.prefill(tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"])
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        wait_for(lambda: "tenant:team-b" in _clients(s), 10, "a socket call's tenant")
+        with (
+            pytest.raises(SharedMemoryUnavailableError, match="bearer token"),
+            PrefillClient(s.url, shared_memory=True) as c,
+        ):
+            c.prefill(tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"])
 
         slow = {
             "q": torch.randn(2048, 8, 192).bfloat16(),

@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,14 +46,32 @@ from ..errors import (
 from .protocol import FrameError, FrameReader, descriptors, encode_frame, peer_uid
 from .registry import Region, RegionRegistry
 
-__all__ = ["Calls", "RegionServer"]
+__all__ = ["Authorize", "Calls", "RegionServer", "token_check"]
 
 #: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
 #: hangs up, the connection's descriptor, the peer's uid) -> the reply, or None where a worker
 #: wrote it to the descriptor itself (whole, or the connection shut down)
+#: answers a `prefill` frame: (message, gone, the socket's descriptor, the peer's uid, whom the
+#: hello's token names)
 Calls = Callable[
-    [dict[str, Any], "asyncio.Future[None]", int, int | None], Awaitable[dict[str, Any] | None]
+    [dict[str, Any], "asyncio.Future[None]", int, int | None, Hashable],
+    Awaitable[dict[str, Any] | None],
 ]
+#: checks a hello's token (None: none given): returns whom it names (None: no one, the peer's
+#: uid counts), raises UnauthorizedError for one that opens nothing
+Authorize = Callable[[str | None], Hashable]
+
+
+def token_check(token: str) -> Authorize:
+    """The check of one shared token (compared in constant time), naming no one."""
+    good = token.encode()
+
+    def check(given: str | None) -> None:
+        if given is None or not hmac.compare_digest(given.encode(), good):
+            raise UnauthorizedError("a valid bearer token is required")
+
+    return check
+
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -67,6 +85,7 @@ class _Client:
     id: int
     sock: socket.socket
     uid: int | None  # the peer's (SO_PEERCRED): whose byte budget its regions count against
+    named: Hashable = None  # whom its hello's token names, where tokens name clients
     reader: FrameReader = field(default_factory=FrameReader)
     fd: int | None = None  # the descriptor of the frame being read (register's memfd)
     greeted: bool = False
@@ -77,8 +96,9 @@ class _Client:
 
 
 class RegionServer:
-    """Listens on `path`; `token`, when set, must open every connection (`hello`), whose answer
-    names `instance`, as `/health` does.
+    """Listens on `path`; `authorize`, when set, checks the token that must open every
+    connection (`hello`, whose answer names `instance`, as `/health` does) and says whom it
+    names, which its calls are told.
 
     `max_clients` caps connections that said hello; `max_unauthenticated` those yet to, the
     oldest evicted when one more comes; `hello_timeout_s` is how long a connection has to say
@@ -90,7 +110,7 @@ class RegionServer:
         path: str,
         registry: RegionRegistry,
         *,
-        token: str | None,
+        authorize: Authorize | None,
         max_clients: int,
         instance: str,
         hello_timeout_s: float = 5.0,
@@ -98,7 +118,8 @@ class RegionServer:
         max_unauthenticated: int = 16,
         calls: Calls | None = None,
     ) -> None:
-        self.path, self.registry, self.token, self.max_clients = path, registry, token, max_clients
+        self.path, self.registry, self.max_clients = path, registry, max_clients
+        self.authorize = authorize
         self.instance = instance  # /health names it too: a client checks it reached this server
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.max_unauthenticated = max_unauthenticated
@@ -287,10 +308,9 @@ class RegionServer:
                 os.close(fd)
 
     def _hello(self, client: _Client, message: dict[str, Any]) -> dict[str, Any]:
-        if self.token is not None:
-            given = str(message.get("token", "")).encode()
-            if not hmac.compare_digest(given, self.token.encode()):
-                raise UnauthorizedError("a valid bearer token is required")
+        if self.authorize is not None:
+            token = message.get("token")
+            client.named = self.authorize(None if token is None else str(token))
         if not client.greeted:
             if len(self._clients) >= self.max_clients:
                 raise ServiceUnavailableError("too many region clients")
@@ -322,7 +342,7 @@ class RegionServer:
         gone: asyncio.Future[None],
     ) -> None:
         try:
-            reply = await calls(message, gone, client.sock.fileno(), client.uid)
+            reply = await calls(message, gone, client.sock.fileno(), client.uid, client.named)
         except Exception:  # the hook answers its errors; a bug costs this connection only
             log.exception("region socket: client %d's call", client.id)
             reply = _refusal(500, "the region socket failed on this call")
