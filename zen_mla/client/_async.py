@@ -16,6 +16,7 @@ from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
 from ._deadline import Deadline
 from ._resend import Resend
+from ._transport import HeardTransport
 
 __all__ = ["AsyncPrefillClient"]
 
@@ -60,10 +61,11 @@ class AsyncPrefillClient(BaseClient):
         super().__init__(
             url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory
         )
-        if transport is None and uds is not None:
-            transport = httpx.AsyncHTTPTransport(uds=uds)
         self._http = [
-            httpx.AsyncClient(base_url=u, timeout=timeout, transport=transport) for u in self._urls
+            httpx.AsyncClient(
+                base_url=u, timeout=timeout, transport=transport or HeardTransport(uds)
+            )
+            for u in self._urls
         ]
         self._regions_lock = asyncio.Lock()  # guards self._regions
 
@@ -141,7 +143,7 @@ class AsyncPrefillClient(BaseClient):
         self, i: int, x: Exchange, deadline: Deadline
     ) -> tuple[int, httpx.Headers, Bytes]:
         """As `PrefillClient._send`, each chunk through httpx."""
-        resend = Resend(deadline)
+        resend = Resend(deadline, idempotent=x.method == "GET")
         while True:
             with resend.send():
                 status, headers, body = await self._send_once(i, x, deadline, resend)

@@ -32,6 +32,7 @@ from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decode
 from ._deadline import Deadline, call_budget
 from ._memory import AnswerMemory
 from ._offers import Offer, offered
+from ._resend import AnswerBrokenOff
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -163,6 +164,8 @@ def _transport_error(exc: httpx.TransportError, deadline: Deadline, i: int) -> Z
         if left is not None and left <= 0:
             return deadline.exceeded()
         return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
+    if isinstance(exc, AnswerBrokenOff):
+        return ServiceUnavailableError(f"endpoint {i} broke off its answer: {exc}")
     return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
 
 
@@ -197,14 +200,15 @@ def _next_step(
     deadline: Deadline,
 ) -> float:
     """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
-    wait that would end past the call's deadline is not waited: the error is raised now."""
+    wait that would end past the call's deadline is not waited: the error is raised now. A
+    request endpoint i may have read (`AnswerBrokenOff`) goes to no other."""
     tried.add(i)
     if isinstance(exc, httpx.TransportError):
         error = _transport_error(exc, deadline, i)
         if isinstance(error, DeadlineExceededError):
             raise error from exc
         bal.down(i)
-        if attempt >= retries or len(tried) >= n:
+        if isinstance(exc, AnswerBrokenOff) or attempt >= retries or len(tried) >= n:
             raise error from exc
         return 0.0
     if not isinstance(exc, OverloadedError) or attempt >= retries:

@@ -129,7 +129,7 @@ class PrefillClient(BaseClient):
     def _send(self, i: int, x: Exchange, deadline: Deadline) -> tuple[int, httpx.Headers, Bytes]:
         """Status, headers and body of one exchange with endpoint i, sent again where the
         server never read it (`Resend`)."""
-        resend = Resend(deadline)
+        resend = Resend(deadline, idempotent=x.method == "GET")
         while True:
             with resend.send():
                 status, headers, body = self._send_once(i, x, deadline, resend)
