@@ -41,6 +41,7 @@ __all__ = [
     "BaseClient",
     "Call",
     "Exchange",
+    "NoRegionError",
     "Translated",
 ]
 
@@ -227,6 +228,11 @@ def _next_step(
 # -- one prefill call ----------------------------------------------------------------------------
 
 
+class NoRegionError(Exception):
+    """No region could be had for a call now, and the call may go without one (`shared_memory`
+    None): it goes over TCP. Never leaves the client."""
+
+
 class Call:
     """One prefill call across its attempts: the checked request, its deadline, the endpoints
     tried. The twins run `attempt()` blocks until one returns, waiting `wait` between them."""
@@ -288,6 +294,24 @@ class Call:
             tensors = self.outputs.tensor_bytes
             self._post = Exchange("POST", "/prefill", limit, content, headers, tensors=tensors)
         return self._post
+
+    @contextlib.contextmanager
+    def laid_out(self, regions: RegionSet) -> Iterator[Layout]:
+        """The request laid out in `regions`, theirs until the block ends (`RegionSet.request`).
+        Where no region can be had for it now (the service refused to register one: the user's
+        byte budget spent, its regions per connection or of all its clients, no descriptor to
+        spare; one could not be made here: memory, descriptors; the region socket failed), the
+        error itself with `shared_memory=True`, else NoRegionError: the call goes over TCP, with
+        the same answer. Blocking: it copies the tensors in."""
+        with contextlib.ExitStack() as stack:
+            request = regions.request(self.tensors, self.outputs.return_lse, self.outputs.into)
+            try:
+                layout = stack.enter_context(request)
+            except (ZenMLAError, OSError) as exc:
+                if self._client._shared_memory:
+                    raise
+                raise NoRegionError(str(exc)) from exc
+            yield layout
 
     def region_post(self, layout: Layout) -> Exchange:
         """The request naming where its tensors lie in the client's regions."""
