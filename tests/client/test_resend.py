@@ -46,6 +46,7 @@ NEVER_READ: dict[str, tuple[Act, type[zen_mla.ZenMLAError]]] = {
 
 _PROBLEM = {"Content-Type": "application/problem+json"}
 _HEAD_ONLY = response(200, b"\0" * 16, {"Content-Length": "4096"}, length=False)
+_PART_OF_A_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/oc"
 
 #: what the server does with a request it read, and what the call raises
 READ: dict[str, tuple[Act, type[zen_mla.ZenMLAError]]] = {
@@ -66,10 +67,22 @@ READ: dict[str, tuple[Act, type[zen_mla.ZenMLAError]]] = {
         read_then(_HEAD_ONLY, then_reset=True),
         zen_mla.ServiceUnavailableError,
     ),
+    "a close after part of the answer's head": (
+        read_then(_PART_OF_A_HEAD),
+        zen_mla.ServiceUnavailableError,
+    ),
+    "a reset after part of the answer's head": (
+        read_then(_PART_OF_A_HEAD, then_reset=True),
+        zen_mla.ServiceUnavailableError,
+    ),
+    "a close after the status line's first byte": (
+        read_then(b"H"),
+        zen_mla.ServiceUnavailableError,
+    ),
 }
 
 
-def prefills(kind: str, url: str, batches: list[Batch], **kwargs: Any) -> list[Any]:
+def prefills(kind: str, url: str | list[str], batches: list[Batch], **kwargs: Any) -> list[Any]:
     """`batches` prefilled in turn by one client of `kind` (over one kept connection, where the
     server keeps it)."""
     kwargs = {"timeout": 30.0, "shared_memory": False} | kwargs
@@ -166,3 +179,34 @@ def test_the_second_send_ends_at_the_calls_deadline(kind, case):
         prefills(kind, server.url, BATCHES[:1], timeout=2)
     assert server.arrived == [(0, 0), (1, 0)]
     assert t[0] < 2 + 1.0, t
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+@pytest.mark.parametrize("case", READ)
+def test_a_request_the_server_read_is_not_sent_to_another_endpoint(kind, case):
+    """Two endpoints: the first one's failure (its first request, on its first connection) is
+    the call's, the request having arrived once in all; the second endpoint never sees it."""
+    read, raised = READ[case]
+    with (
+        KeepAliveServer(lambda c, r: read) as first,
+        KeepAliveServer(lambda c, r: answer) as second,
+        pytest.raises(raised),
+    ):
+        prefills(kind, [first.url, second.url], BATCHES[:1])
+    assert (first.arrived, second.arrived) == ([(0, 0)], [])
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+@pytest.mark.parametrize("case", ["a close before any answer", "a reset before any answer"])
+def test_a_request_no_endpoint_read_goes_to_another(kind, case):
+    """Guards the rule's other side: the first endpoint closes every connection before any
+    answer (the request sent there twice, `Resend`), the second answers it."""
+    never_read, _ = NEVER_READ[case]
+    with (
+        KeepAliveServer(lambda c, r: never_read) as first,
+        KeepAliveServer(lambda c, r: answer) as second,
+    ):
+        (got,) = prefills(kind, [first.url, second.url], BATCHES[:1])
+    assert (first.arrived, second.arrived) == ([(0, 0), (1, 0)], [(0, 0)])
+    q, k, v, cu = BATCHES[0]
+    assert torch.equal(got, zen_mla.ragged_attention(q, k, v, cu))

@@ -2,7 +2,8 @@
 `/health` says ok and whose `/prefill` answers a well-formed safetensors body of the right shape
 and dtype, holding NaN or inf. From finite inputs that is a failed call (computed here, counted
 as an outage, the link down, as for an unreachable service); from non-finite inputs it is the
-inputs' doing and an answer."""
+inputs' doing and an answer. Request by request: NaN in one request's inputs answers for NaN in
+that request's outputs only (`context.check_finite`)."""
 
 from __future__ import annotations
 
@@ -194,19 +195,25 @@ def test_a_client_of_its_own_gets_an_error_from_prefill_with_context(service_ans
 
 
 @pytest.mark.parametrize(
-    ("out", "lse", "match"),
+    ("out", "lse", "query", "match"),
     [
-        (out_of(NAN), None, r"out with 1 of 384 values NaN or inf"),
-        (out_of(0.0), lse_of(INF), r"lse with 1 of 24 values NaN or inf"),
+        (out_of(NAN), None, 2, r"out with 1 of 384 values NaN or inf"),
+        (out_of(0.0), lse_of(INF), 4, r"lse with 1 of 24 values NaN or inf"),
     ],
     ids=["out", "lse"],
 )
-def test_check_finite_names_the_output(out, lse, match):
+def test_check_finite_names_the_output(out, lse, query, match):
+    """The bad value is query `query`'s: inf in its request's keys is no fault of the
+    service's; inf in the other request's is."""
     q, k, v = qkv()
     with pytest.raises(zen_mla.KernelError, match=match):
-        vllm_context.check_finite(out, lse, q, k, v)
-    k[0, 0, 0] = INF
-    vllm_context.check_finite(out, lse, q, k, v)  # inf in: no fault of the service's
+        vllm_context.check_finite(out, lse, q, k, v, QUERY_START_LOC)
+    other = T - 1 - query  # in the other request (QUERY_START_LOC: [0, 3, 6])
+    k[other, 0, 0] = INF
+    with pytest.raises(zen_mla.KernelError, match=match):
+        vllm_context.check_finite(out, lse, q, k, v, QUERY_START_LOC)
+    k[query, 0, 0] = INF
+    vllm_context.check_finite(out, lse, q, k, v, QUERY_START_LOC)
 
 
 def test_check_finite_takes_large_finite_values_for_what_they_are():
@@ -215,4 +222,89 @@ def test_check_finite_takes_large_finite_values_for_what_they_are():
     q, k, v = qkv()
     out = torch.full((T, H, D), 60000.0, dtype=torch.float16)
     assert torch.isinf(out.sum())
-    vllm_context.check_finite(out, torch.full((H, T), -INF), q, k, v)
+    vllm_context.check_finite(out, torch.full((H, T), -INF), q, k, v, QUERY_START_LOC)
+
+
+# -- request by request --------------------------------------------------------------------------
+
+#: a step of four requests (new tokens 3, 0, 5, 4) against keys of 2, 4, 0, 6 (a context chunk)
+Q_CU = torch.tensor([0, 3, 3, 8, 12], dtype=torch.int32)
+KV_CU = torch.tensor([0, 2, 6, 6, 12], dtype=torch.int32)
+
+
+def _step() -> tuple[torch.Tensor, ...]:
+    q = torch.randn(12, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(12, H, D, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.randn(12, H, D, dtype=torch.bfloat16)
+    return q, k, v, out, torch.randn(H, 12)
+
+
+#: (input, its row, output, its row or column): NaN in the first, the second not finite
+ACROSS_REQUESTS = {
+    "q of request 0, out of request 2": ("q", 1, "out", 5),
+    "k of request 1, out of request 0": ("k", 3, "out", 0),
+    "v of request 3, out of request 2": ("v", 7, "out", 7),
+    "q of request 3, lse of request 0": ("q", 9, "lse", 2),
+    "k of request 0, lse of request 3": ("k", 0, "lse", 11),
+}
+
+
+@pytest.mark.parametrize("case", ACROSS_REQUESTS)
+def test_nan_in_one_request_lets_no_nan_through_in_another(case):
+    """NaN in one request's inputs answers for NaN in that request's outputs only."""
+    given, given_row, sent, sent_row = ACROSS_REQUESTS[case]
+    q, k, v, out, lse = _step()
+    {"q": q, "k": k, "v": v}[given][given_row, 1, 2] = NAN
+    if sent == "out":
+        out[sent_row, 0, 0] = NAN
+    else:
+        lse[3, sent_row] = NAN
+    with pytest.raises(zen_mla.KernelError, match=rf"{sent} with 1 of \d+ values NaN"):
+        vllm_context.check_finite(out, lse, q, k, v, Q_CU, KV_CU)
+
+
+#: (input, its row, output row): the output's request is the input's (through KV_CU for k, v)
+WITHIN_A_REQUEST = {
+    "q and out of request 0": ("q", 1, 2),
+    "k and out of request 3": ("k", 11, 8),
+    "v and out of request 2": ("v", 0, 1),
+}
+
+
+@pytest.mark.parametrize("case", WITHIN_A_REQUEST)
+def test_nan_in_a_requests_inputs_answers_for_its_own_outputs(case):
+    given, given_row, out_row = WITHIN_A_REQUEST[case]
+    q, k, v, out, lse = _step()
+    {"q": q, "k": k, "v": v}[given][given_row, 1, 2] = NAN
+    out[out_row] = NAN
+    lse[:, out_row] = NAN
+    vllm_context.check_finite(out, lse, q, k, v, Q_CU, KV_CU)
+
+
+def test_a_request_with_nan_inputs_hides_no_bad_output_of_another():
+    """Request 0 fed NaN and answered NaN, request 3 fed finite numbers and answered inf: the
+    error names request 3 and counts its values only."""
+    q, k, v, out, lse = _step()
+    q[0] = NAN
+    out[0:3] = NAN
+    out[9, :, 1] = INF
+    with pytest.raises(zen_mla.KernelError, match=r"out with 4 of 768 values .* request 3 of 4"):
+        vllm_context.check_finite(out, lse, q, k, v, Q_CU, KV_CU)
+
+
+def test_the_link_computes_here_a_request_answered_nan_beside_one_fed_nan(service_answers):
+    """Through the backend: request 0's q holds NaN and the service answers NaN in request 1's
+    out: computed here (an outage), where before the NaN in request 0 let it through."""
+    out = torch.randn(T, H, D, dtype=torch.bfloat16)
+    out[4, 0, 0] = NAN  # request 1 (QUERY_START_LOC: [0, 3, 6])
+    b = backend(service_answers({"out": out}))
+    q, k, v = qkv()
+    q[0, 0, 0] = NAN
+    before = vllm.stats.snapshot()
+    got = b.run_prefill_new_tokens(q, k, v, False)
+    after = vllm.stats.snapshot()
+    want = zen_mla.ragged_attention(q, k, v, QUERY_START_LOC, scale=SCALE)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert bool(got[3:].isfinite().all())  # request 1 computed here: no NaN
+    assert (after.local - before.local, after.remote - before.remote) == (1, 0)
+    assert after.outages - before.outages == 1 and not b.link.up

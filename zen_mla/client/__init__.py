@@ -6,9 +6,10 @@
 `prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device
 (CUDA) go over as CPU tensors and come back on the caller's device. Errors arrive as the same
 zen_mla exceptions the service raised; 429 and 503 are retried after `Retry-After`, a few times.
-A request the server never read (its 408, or a kept connection closed before any answer: the
-service closes idle ones at its connection cap, which may cross a request going out) is sent
-once more on another connection, within the call's timeout.
+A request the server never read (its 408, or a kept connection closed before any byte of an
+answer: the service closes idle ones at its connection cap, which may cross a request going out)
+is sent once more on another connection, within the call's timeout; one whose answer began is
+never sent again, to no endpoint.
 
 `timeout` bounds a whole call (connect, send, wait, read, and the retries with their waits), not
 each read: past it, DeadlineExceededError. Every answer is checked against its request (`out`
@@ -22,10 +23,11 @@ overloaded endpoint is passed over for another.
 
 On the service's host, tensors need not cross a socket: with `shared_memory=None` (the default)
 the client uses same-host regions wherever the service offers them and their socket can be
-reached from here, `True` requires them, `False` never uses them (asked again while the service
-starts, and once it restarted: `_offers`). A request's tensors are then copied once into a
-region the client holds (or not at all, for tensors made with `empty()`), and the workers read
-them and write the results there.
+reached from here (a call for which the service refuses a region now, its byte budget for this
+user spent say, goes over TCP with the same answer), `True` requires them, `False` never uses
+them (asked again while the service starts, and once it restarted: `_offers`). A request's
+tensors are then copied once into a region the client holds (or not at all, for tensors made
+with `empty()`), and the workers read them and write the results there.
 
 The modules behind it: `_base` (all the twins share: the request, endpoints, retries),
 `_deadline` (one call's deadline), `_resend` (when an exchange is sent again), `_answers`

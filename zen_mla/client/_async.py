@@ -13,9 +13,10 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError, Translated
 from ._deadline import Deadline
 from ._resend import Resend
+from ._transport import HeardTransport
 
 __all__ = ["AsyncPrefillClient"]
 
@@ -38,7 +39,7 @@ async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
 
 
 def _over_socket(call: Call, regions: RegionSet) -> PrefillOutput | None:
-    with regions.request(call.tensors, call.outputs.return_lse, call.outputs.into) as layout:
+    with call.laid_out(regions) as layout:
         return call.over_socket(regions, layout)
 
 
@@ -60,10 +61,11 @@ class AsyncPrefillClient(BaseClient):
         super().__init__(
             url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory
         )
-        if transport is None and uds is not None:
-            transport = httpx.AsyncHTTPTransport(uds=uds)
         self._http = [
-            httpx.AsyncClient(base_url=u, timeout=timeout, transport=transport) for u in self._urls
+            httpx.AsyncClient(
+                base_url=u, timeout=timeout, transport=transport or HeardTransport(uds)
+            )
+            for u in self._urls
         ]
         self._regions_lock = asyncio.Lock()  # guards self._regions
 
@@ -74,7 +76,10 @@ class AsyncPrefillClient(BaseClient):
             with Translated(deadline, i):
                 return await self._regions_for(i, deadline)
 
-    async def _regions_for(self, i: int, deadline: Deadline) -> RegionSet | None:
+    async def _regions_for(
+        self, i: int, deadline: Deadline, for_call: bool = False
+    ) -> RegionSet | None:
+        """As `PrefillClient._regions_for`."""
         if self._shared_memory is False:
             return None
         async with self._regions_lock:
@@ -82,7 +87,14 @@ class AsyncPrefillClient(BaseClient):
             if offer is None or not offer.current():
                 status, _, body = await self._send(i, HEALTH, deadline)
                 offer = self._regions[i] = await asyncio.to_thread(self._offered, status, body)
-            return offer.regions
+            return offer.for_calls() if for_call else offer.regions
+
+    async def _refused(self, i: int) -> None:
+        """As `PrefillClient._refused`."""
+        async with self._regions_lock:
+            offer = self._regions.get(i)
+            if offer is not None:
+                offer.refused()
 
     async def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """As `PrefillClient.empty`."""
@@ -119,20 +131,23 @@ class AsyncPrefillClient(BaseClient):
                 await asyncio.sleep(call.wait)
 
     async def _attempt(self, i: int, call: Call) -> PrefillOutput:
-        regions = await self._regions_for(i, call.deadline)
-        if regions is None:
-            status, headers, body = await self._send(i, call.post(), call.deadline)
-            return call.decoded(status, body, headers)
+        regions = await self._regions_for(i, call.deadline, for_call=True)
+        if regions is not None:
+            try:
+                return await self._over_regions(i, call, regions)
+            except NoRegionError:
+                await self._refused(i)
+        status, headers, body = await self._send(i, call.post(), call.deadline)
+        return call.decoded(status, body, headers)
+
+    async def _over_regions(self, i: int, call: Call, regions: RegionSet) -> PrefillOutput:
         if regions.client.calls:  # the whole call in one thread: copies in, the socket, out
             result = await asyncio.to_thread(_over_socket, call, regions)
             if result is not None:
                 return result
         # the copies into the region and out of it run in a thread: the event loop stays free
         stack = contextlib.ExitStack()
-        layout = await asyncio.to_thread(
-            stack.enter_context,
-            regions.request(call.tensors, call.outputs.return_lse, call.outputs.into),
-        )
+        layout = await asyncio.to_thread(stack.enter_context, call.laid_out(regions))
         with stack:
             status, headers, body = await self._send(i, call.region_post(layout), call.deadline)
             return await asyncio.to_thread(call.answered, status, body, headers, layout)
@@ -141,7 +156,7 @@ class AsyncPrefillClient(BaseClient):
         self, i: int, x: Exchange, deadline: Deadline
     ) -> tuple[int, httpx.Headers, Bytes]:
         """As `PrefillClient._send`, each chunk through httpx."""
-        resend = Resend(deadline)
+        resend = Resend(deadline, idempotent=x.method == "GET")
         while True:
             with resend.send():
                 status, headers, body = await self._send_once(i, x, deadline, resend)

@@ -32,6 +32,7 @@ from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decode
 from ._deadline import Deadline, call_budget
 from ._memory import AnswerMemory
 from ._offers import Offer, offered
+from ._resend import AnswerBrokenOff
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -40,6 +41,7 @@ __all__ = [
     "BaseClient",
     "Call",
     "Exchange",
+    "NoRegionError",
     "Translated",
 ]
 
@@ -163,6 +165,8 @@ def _transport_error(exc: httpx.TransportError, deadline: Deadline, i: int) -> Z
         if left is not None and left <= 0:
             return deadline.exceeded()
         return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
+    if isinstance(exc, AnswerBrokenOff):
+        return ServiceUnavailableError(f"endpoint {i} broke off its answer: {exc}")
     return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
 
 
@@ -197,14 +201,15 @@ def _next_step(
     deadline: Deadline,
 ) -> float:
     """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
-    wait that would end past the call's deadline is not waited: the error is raised now."""
+    wait that would end past the call's deadline is not waited: the error is raised now. A
+    request endpoint i may have read (`AnswerBrokenOff`) goes to no other."""
     tried.add(i)
     if isinstance(exc, httpx.TransportError):
         error = _transport_error(exc, deadline, i)
         if isinstance(error, DeadlineExceededError):
             raise error from exc
         bal.down(i)
-        if attempt >= retries or len(tried) >= n:
+        if isinstance(exc, AnswerBrokenOff) or attempt >= retries or len(tried) >= n:
             raise error from exc
         return 0.0
     if not isinstance(exc, OverloadedError) or attempt >= retries:
@@ -221,6 +226,11 @@ def _next_step(
 
 
 # -- one prefill call ----------------------------------------------------------------------------
+
+
+class NoRegionError(Exception):
+    """No region could be had for a call now, and the call may go without one (`shared_memory`
+    None): it goes over TCP. Never leaves the client."""
 
 
 class Call:
@@ -284,6 +294,24 @@ class Call:
             tensors = self.outputs.tensor_bytes
             self._post = Exchange("POST", "/prefill", limit, content, headers, tensors=tensors)
         return self._post
+
+    @contextlib.contextmanager
+    def laid_out(self, regions: RegionSet) -> Iterator[Layout]:
+        """The request laid out in `regions`, theirs until the block ends (`RegionSet.request`).
+        Where no region can be had for it now (the service refused to register one: the user's
+        byte budget spent, its regions per connection or of all its clients, no descriptor to
+        spare; one could not be made here: memory, descriptors; the region socket failed), the
+        error itself with `shared_memory=True`, else NoRegionError: the call goes over TCP, with
+        the same answer. Blocking: it copies the tensors in."""
+        with contextlib.ExitStack() as stack:
+            request = regions.request(self.tensors, self.outputs.return_lse, self.outputs.into)
+            try:
+                layout = stack.enter_context(request)
+            except (ZenMLAError, OSError) as exc:
+                if self._client._shared_memory:
+                    raise
+                raise NoRegionError(str(exc)) from exc
+            yield layout
 
     def region_post(self, layout: Layout) -> Exchange:
         """The request naming where its tensors lie in the client's regions."""

@@ -1,7 +1,8 @@
 """Same-host regions, per endpoint: what the service's /health offers, its region socket reached
 and checked, and when to ask again. A service still starting offers none yet, and one that
 restarted closed the socket its regions were registered on: neither answer stands for the
-client's lifetime.
+client's lifetime. Nor does a region refused for a call (the user's byte budget spent, ...):
+calls go over TCP a while, then try regions again.
 """
 
 from __future__ import annotations
@@ -14,20 +15,34 @@ from ..errors import ProtocolError, SharedMemoryUnavailableError
 from ..regions.client import RegionClient, RegionSet
 from ._answers import Bytes, health_json
 
-__all__ = ["RECHECK_NONE_S", "RECHECK_STARTING_S", "Offer", "offered"]
+__all__ = ["RECHECK_NONE_S", "RECHECK_REFUSED_S", "RECHECK_STARTING_S", "Offer", "offered"]
 
 #: how long "no regions" stands when the service was not ready (starting, draining)
 RECHECK_STARTING_S = 1.0
 #: how long it stands when a ready service offered none, or none this host can reach
 RECHECK_NONE_S = 30.0
+#: how long calls pass over the regions after a region was refused for one: each try costs a
+#: region made and populated here (16 MiB at least) before the service says no
+RECHECK_REFUSED_S = 1.0
 
 
 @dataclass
 class Offer:
-    """An endpoint's regions (None: not used), and until when a None stands."""
+    """An endpoint's regions (None: not used), until when a None stands, and until when calls
+    pass over regions that are there (a region was refused for one). The client's lock over its
+    offers guards each."""
 
     regions: RegionSet | None
     until: float = math.inf  # time.monotonic()
+    refused_until: float = 0.0  # time.monotonic()
+
+    def for_calls(self) -> RegionSet | None:
+        """`regions` for a call now: None while a refusal stands (`refused`)."""
+        return None if time.monotonic() < self.refused_until else self.regions
+
+    def refused(self) -> None:
+        """A region for a call could not be had: calls go without regions for a while."""
+        self.refused_until = time.monotonic() + RECHECK_REFUSED_S
 
     def current(self) -> bool:
         """Still the answer: regions whose socket is open, or a None not yet due to be asked

@@ -13,7 +13,7 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError, Translated
 from ._deadline import Deadline
 from ._resend import Resend
 from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
@@ -29,9 +29,13 @@ class PrefillClient(BaseClient):
     seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
     for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried;
     apart from them, a request the server never read (a kept connection it closed as the
-    request went out) is sent once more on another connection (`_resend.Resend`).
+    request went out) is sent once more on another connection (`_resend.Resend`); once any
+    byte of an answer came, never, to no endpoint. `shared_memory`: None uses the service's
+    same-host regions where it can, and a call for which it refuses a region now goes over
+    TCP; True requires them (the refusal is the call's error); False never uses them.
     With a `transport` of your own, its sockets' reads wait as long as it lets them; the call's
-    deadline is checked between them.
+    deadline is checked between them; and the client cannot see whether bytes of an answer
+    came, so a request is sent again only after a 408 or a failed connect.
     """
 
     def __init__(
@@ -63,7 +67,9 @@ class PrefillClient(BaseClient):
         with sync_call(deadline), Translated(deadline, i):
             return self._regions_for(i, deadline)
 
-    def _regions_for(self, i: int, deadline: Deadline) -> RegionSet | None:
+    def _regions_for(self, i: int, deadline: Deadline, for_call: bool = False) -> RegionSet | None:
+        """Endpoint i's regions, asked for where they are not known (`Offer.current`); for a
+        call, None while a region refused for one stands (`Offer.for_calls`)."""
         if self._shared_memory is False:
             return None
         with self._regions_lock:
@@ -71,7 +77,14 @@ class PrefillClient(BaseClient):
             if offer is None or not offer.current():
                 status, _, body = self._send(i, HEALTH, deadline)
                 offer = self._regions[i] = self._offered(status, body)
-            return offer.regions
+            return offer.for_calls() if for_call else offer.regions
+
+    def _refused(self, i: int) -> None:
+        """A region for a call was not to be had at endpoint i (`NoRegionError`)."""
+        with self._regions_lock:
+            offer = self._regions.get(i)
+            if offer is not None:
+                offer.refused()
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in a region of the first endpoint's service: fill it and pass it to
@@ -115,11 +128,17 @@ class PrefillClient(BaseClient):
                 time.sleep(call.wait)
 
     def _attempt(self, i: int, call: Call) -> PrefillOutput:
-        regions = self._regions_for(i, call.deadline)
-        if regions is None:
-            status, headers, body = self._send(i, call.post(), call.deadline)
-            return call.decoded(status, body, headers)
-        with regions.request(call.tensors, call.outputs.return_lse, call.outputs.into) as layout:
+        regions = self._regions_for(i, call.deadline, for_call=True)
+        if regions is not None:
+            try:
+                return self._over_regions(i, call, regions)
+            except NoRegionError:
+                self._refused(i)
+        status, headers, body = self._send(i, call.post(), call.deadline)
+        return call.decoded(status, body, headers)
+
+    def _over_regions(self, i: int, call: Call, regions: RegionSet) -> PrefillOutput:
+        with call.laid_out(regions) as layout:
             result = call.over_socket(regions, layout)
             if result is not None:
                 return result
@@ -129,7 +148,7 @@ class PrefillClient(BaseClient):
     def _send(self, i: int, x: Exchange, deadline: Deadline) -> tuple[int, httpx.Headers, Bytes]:
         """Status, headers and body of one exchange with endpoint i, sent again where the
         server never read it (`Resend`)."""
-        resend = Resend(deadline)
+        resend = Resend(deadline, idempotent=x.method == "GET")
         while True:
             with resend.send():
                 status, headers, body = self._send_once(i, x, deadline, resend)

@@ -1,5 +1,7 @@
-"""The blocking client's transport: httpx's, with sockets that wait at most what the calling
-thread's call has left, and a large answer's body read from its socket straight into place."""
+"""The clients' transports: httpx's, with sockets that mark each send's bytes as they go and come
+(`_resend.heard`: a request is sent again only where no byte of an answer came). The blocking
+client's sockets also wait at most what the calling thread's call has left, and a large answer's
+body is read from its socket straight into place."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import httpx
 
 from ._answers import Body
 from ._deadline import Deadline
+from ._resend import heard
 
-__all__ = ["DIRECT_MIN", "DeadlineTransport", "read_body", "sync_call"]
+__all__ = ["DIRECT_MIN", "DeadlineTransport", "HeardTransport", "read_body", "sync_call"]
 
 # An answer this large is read from the socket straight into its buffer; a smaller one through
 # httpx. Reading past httpx leaves its connection unusable for another request (it is closed:
@@ -51,14 +54,30 @@ def _op_timeout(timeout: float | None, late: type[Exception]) -> float | None:
     return left if timeout is None else min(timeout, left)
 
 
+def _pool_options(ssl_context: Any, uds: str | None) -> dict[str, Any]:
+    """The options httpx makes its connection pool with (by default). httpx takes no network
+    backend: the transports make their pool again, as httpx makes it, with one of their own."""
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+    return {
+        "ssl_context": ssl_context,
+        "max_connections": limits.max_connections,
+        "max_keepalive_connections": limits.max_keepalive_connections,
+        "keepalive_expiry": limits.keepalive_expiry,
+        "uds": uds,
+    }
+
+
 class _DeadlineStream(httpcore.NetworkStream):
     def __init__(self, stream: httpcore.NetworkStream) -> None:
         self._stream = stream
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, _op_timeout(timeout, httpcore.ReadTimeout))
+        data = self._stream.read(max_bytes, _op_timeout(timeout, httpcore.ReadTimeout))
+        heard(came=data)
+        return data
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        heard(sent=buffer)  # before: a write that fails may have sent a part
         self._stream.write(buffer, _op_timeout(timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
@@ -118,15 +137,70 @@ class DeadlineTransport(httpx.HTTPTransport):
     def __init__(self, uds: str | None) -> None:
         ssl_context = httpx.create_ssl_context()
         super().__init__(verify=ssl_context, uds=uds)
-        # httpx takes no network backend: its pool is made again, as httpx makes it, with one
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
         self._pool = httpcore.ConnectionPool(
-            ssl_context=ssl_context,
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            uds=uds,
-            network_backend=_DeadlineBackend(),
+            **_pool_options(ssl_context, uds), network_backend=_DeadlineBackend()
+        )
+
+
+class _HeardStream(httpcore.AsyncNetworkStream):
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        data = await self._stream.read(max_bytes, timeout)
+        heard(came=data)
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        heard(sent=buffer)  # before: a write that fails may have sent a part
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        return _HeardStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _HeardBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        self._backend = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _HeardStream(
+            await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        )
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        return _HeardStream(await self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+class HeardTransport(httpx.AsyncHTTPTransport):
+    """The asyncio client's transport: httpx's, whose sockets mark each send's bytes (the
+    asyncio client bounds its calls by cancelling them, not by its sockets)."""
+
+    def __init__(self, uds: str | None) -> None:
+        ssl_context = httpx.create_ssl_context()
+        super().__init__(verify=ssl_context, uds=uds)
+        self._pool = httpcore.AsyncConnectionPool(
+            **_pool_options(ssl_context, uds), network_backend=_HeardBackend()
         )
 
 

@@ -6,10 +6,11 @@ the local computation while it is not.
 
 While the service answers, every call goes to it. When a call cannot get an answer (the service
 is unreachable, answers 503, 504 or 500, times out, or sends something that is not an answer:
-the wrong shape or dtype, or NaN or inf from finite inputs), the link goes down: that call and
-every one after it is computed here with `zen_mla.ragged_attention` (same semantics, same LSE),
-and a thread probes `/health` after 1, 2, 4, ... seconds (at most `probe_max_interval_s`) until
-it says ok; the next call goes to the service again. One log line at each change, one per failed
+the wrong shape or dtype, or NaN or inf for a request of the batch whose inputs are finite), the
+link goes down: that call and every one after it is computed here with
+`zen_mla.ragged_attention` (same semantics, same LSE), and a thread probes `/health` after 1, 2,
+4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next call goes to the
+service again. One log line at each change, one per failed
 probe; `stats` counts the calls. A call the service refuses as sent (422 bad input, 401 bad
 token, 413 too large, ...) is no outage: it raises, as it would here. A 429 (queue full) is
 computed here, the link staying up. With `RemoteSettings.fallback` off, a failed call raises
