@@ -49,6 +49,7 @@ __all__ = [
     "Charge",
     "Shares",
     "Ticket",
+    "client_name",
     "client_of",
 ]
 

@@ -9,7 +9,7 @@ import torch
 import zen_mla
 from tests.service.servers import free_port
 from zen_mla.client import PrefillClient
-from zen_mla.client._base import Balancer
+from zen_mla.client._endpoints import Balancer
 
 
 def test_least_outstanding_work_wins():

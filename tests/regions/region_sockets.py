@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hmac
 import os
 import socket
 import subprocess
@@ -16,10 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from zen_mla import UnauthorizedError
 from zen_mla.pool import SharedBuffer
 from zen_mla.regions.protocol import recv_frame
 from zen_mla.regions.registry import RegionRegistry
-from zen_mla.regions.server import RegionServer, token_check
+from zen_mla.regions.server import Authorize, RegionServer
 
 T = TypeVar("T")
 
@@ -41,6 +43,16 @@ class Running:
         s.settimeout(5)
         s.connect(self.server.path)
         return s
+
+
+def token_check(token: str) -> Authorize:
+    """The check of one shared token, naming no one (as the service's without tenants)."""
+
+    def check(given: str | None) -> None:
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise UnauthorizedError("a valid bearer token is required")
+
+    return check
 
 
 @contextlib.contextmanager

@@ -18,7 +18,11 @@ def test_a_reply_to_an_earlier_call_is_passed_over(tmp_path):
     seen: list[Any] = []
 
     async def hook(
-        message: dict[str, Any], gone: asyncio.Future[None], fd: int, uid: int | None
+        message: dict[str, Any],
+        gone: asyncio.Future[None],
+        fd: int,
+        uid: int | None,
+        named: object,
     ) -> dict | None:
         call = message["call"]
         seen.append(call)

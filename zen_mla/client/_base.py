@@ -1,16 +1,12 @@
 """What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the request built and
-checked, one call's deadline (`_deadline`), the choice of endpoint, what a failed attempt leads
-to, and the translation of transport errors (when an exchange is sent again: `_resend`)."""
+checked, one call's deadline (`_deadline`), its attempts on the endpoints (which one, and what a
+failed attempt leads to: `_endpoints`; when an exchange is sent again: `_resend`)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import httpx
 import torch
@@ -18,7 +14,6 @@ import torch
 from .. import wire
 from ..attention.batch import visible_pairs
 from ..errors import (
-    DeadlineExceededError,
     InvalidInputError,
     OverloadedError,
     ServiceUnavailableError,
@@ -30,19 +25,17 @@ from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import Deadline, call_budget
+from ._endpoints import Balancer, next_step
 from ._memory import AnswerMemory
 from ._offers import Offer, offered
-from ._resend import AnswerBrokenOff
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "HEALTH",
-    "Balancer",
     "BaseClient",
     "Call",
     "Exchange",
     "NoRegionError",
-    "Translated",
 ]
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.0)
@@ -50,8 +43,6 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=600.
 # it into bytes: one huge part costs quadratic copying (measured: 0.1 GB/s at 256 MiB). Parts of
 # this size keep it to about one copy.
 SEND_PART = 256 << 10
-MAX_RETRY_WAIT = 30.0
-DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
 MAX_HEALTH_BYTES = 1 << 20  # of /health's JSON
 REGION_TIMEOUT = 10.0  # seconds, at most, for one exchange on the region socket
 KEEP_ANSWER_BYTES = 256 << 20  # of answer memory kept idle for the next calls (AnswerMemory)
@@ -124,107 +115,6 @@ def _authorized(headers: dict[str, str], token: str | None) -> dict[str, str]:
     return headers
 
 
-# -- endpoints, failures, retries ----------------------------------------------------------------
-
-
-class Balancer:
-    """Outstanding work per endpoint; `pick` gives the least loaded one not passed over."""
-
-    def __init__(self, n: int) -> None:
-        self.outstanding = [0] * n
-        self.down_until = [0.0] * n
-        self._lock = threading.Lock()
-        self._turn = itertools.count()
-
-    def pick(self, tried: set[int]) -> int:
-        now = time.monotonic()
-        with self._lock:
-            n = len(self.outstanding)
-            candidates = [i for i in range(n) if i not in tried] or list(range(n))
-            up = [i for i in candidates if self.down_until[i] <= now] or candidates
-            turn = next(self._turn)
-            return min(up, key=lambda i: (self.outstanding[i], (i - turn) % n))
-
-    def begin(self, i: int, work: int) -> None:
-        with self._lock:
-            self.outstanding[i] += work
-
-    def end(self, i: int, work: int) -> None:
-        with self._lock:
-            self.outstanding[i] -= work
-
-    def down(self, i: int) -> None:
-        with self._lock:
-            self.down_until[i] = time.monotonic() + DOWN_FOR
-
-
-def _transport_error(exc: httpx.TransportError, deadline: Deadline, i: int) -> ZenMLAError:
-    """The one place transport errors become zen_mla exceptions."""
-    if isinstance(exc, httpx.TimeoutException):
-        left = deadline.remaining()
-        if left is not None and left <= 0:
-            return deadline.exceeded()
-        return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
-    if isinstance(exc, AnswerBrokenOff):
-        return ServiceUnavailableError(f"endpoint {i} broke off its answer: {exc}")
-    return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
-
-
-class Translated:
-    """Within the block, a transport error with endpoint `i` is raised as its zen_mla exception."""
-
-    def __init__(self, deadline: Deadline, i: int) -> None:
-        self._deadline, self._i = deadline, i
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if isinstance(exc, httpx.TransportError):
-            raise _transport_error(exc, self._deadline, self._i) from exc
-
-
-def _retry_wait(exc: OverloadedError, attempt: int) -> float:
-    return min(exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt, MAX_RETRY_WAIT)
-
-
-def _next_step(
-    exc: Exception,
-    i: int,
-    tried: set[int],
-    n: int,
-    attempt: int,
-    retries: int,
-    bal: Balancer,
-    deadline: Deadline,
-) -> float:
-    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
-    wait that would end past the call's deadline is not waited: the error is raised now. A
-    request endpoint i may have read (`AnswerBrokenOff`) goes to no other."""
-    tried.add(i)
-    if isinstance(exc, httpx.TransportError):
-        error = _transport_error(exc, deadline, i)
-        if isinstance(error, DeadlineExceededError):
-            raise error from exc
-        bal.down(i)
-        if isinstance(exc, AnswerBrokenOff) or attempt >= retries or len(tried) >= n:
-            raise error from exc
-        return 0.0
-    if not isinstance(exc, OverloadedError) or attempt >= retries:
-        raise exc
-    if len(tried) < n:
-        return 0.0  # another endpoint may have room now
-    tried.clear()
-    wait = _retry_wait(exc, attempt)
-    left = deadline.remaining()
-    if left is not None and wait >= left:
-        exc.add_note(f"not retried: the wait of {wait:g} s ends past the call's timeout")
-        raise exc
-    return wait
-
-
 # -- one prefill call ----------------------------------------------------------------------------
 
 
@@ -265,7 +155,7 @@ class Call:
         try:
             yield i
         except (OverloadedError, httpx.TransportError) as exc:
-            self.wait = _next_step(
+            self.wait = next_step(
                 exc, i, self._tried, len(client._urls), self._attempts, client._retries,
                 client._balancer, self.deadline,
             )  # fmt: skip

@@ -13,8 +13,9 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError, Translated
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError
 from ._deadline import Deadline
+from ._endpoints import Translated
 from ._resend import Resend
 from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
 

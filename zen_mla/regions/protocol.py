@@ -8,19 +8,24 @@ few flat fields; a `register` message carries one descriptor (SCM_RIGHTS) in the
     {"op": "prefill", "call": n, ...}  ->    {"ok": true, "call": n, ...} (service/routes/calls.py)
     anything wrong                     ->    {"ok": false, "status": 4xx, "error": "..."}
 
-`hello` comes first, also without a token. One request at a time per connection; the reply
-comes before the next request is read. Closing the connection ends every region registered
-over it. A call's reply carries its number: a worker may write it while the service answers
-the same call past its deadline, and the client passes over a reply to an earlier call.
+`listen` makes the service's socket. `hello` comes first, also without a token. One request at
+a time per connection; the reply comes before the next request is read. Closing the connection
+ends every region registered over it. A call's reply carries its number: a worker may write it
+while the service answers the same call past its deadline, and the client passes over a reply
+to an earlier call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -34,6 +39,7 @@ __all__ = [
     "decode_object",
     "descriptors",
     "encode_frame",
+    "listen",
     "numbered",
     "peer_uid",
     "recv_frame",
@@ -207,3 +213,36 @@ def peer_uid(fd: int) -> int | None:
     finally:
         sock.detach()
     return int(uid)
+
+
+def listen(path: str) -> socket.socket:
+    """A non-blocking Unix socket listening on `path`: its folder is made owner-only when
+    created here (a folder others may write to, or of another user's, is refused), the socket
+    is owner-only, and a stale socket file left by a killed server is replaced."""
+    folder = Path(path).parent
+    if not folder.exists():
+        folder.mkdir(mode=0o700, parents=True)
+    info = folder.stat()
+    open_to_others = info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX
+    if info.st_uid not in (0, os.getuid()) or open_to_others:
+        raise PermissionError(
+            f"{folder}: expected a folder of this user's (or root's) that others cannot "
+            f"write to, for the regions' socket; got owner {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):o}"
+        )
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o177)  # the socket is created 0600, never briefly wider
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(old)
+        listener.listen(64)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener

@@ -2,8 +2,8 @@
 
 It runs on the event loop, reading through `add_reader` without blocking, so it shares the
 `RegionRegistry` with the HTTP handlers without a lock. Closing a connection ends its regions
-(unmapped once no request in flight names them). A client is the peer's uid (SO_PEERCRED): one
-user's connections share one byte budget and one share of the queue.
+(unmapped once no request in flight names them). One user's connections (SO_PEERCRED) share one
+byte budget of regions; their calls count as the client the hello's token names, else the uid.
 
 The door's rules hold here as on HTTP: a connection must say `hello` (with the token, where one
 is set) within `hello_timeout_s`, and holds no descriptor and at most one frame until then;
@@ -25,15 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import itertools
 import logging
 import os
 import socket
-import stat
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import (
@@ -43,16 +40,15 @@ from ..errors import (
     ZenMLAError,
     status_of,
 )
-from .protocol import FrameError, FrameReader, descriptors, encode_frame, peer_uid
+from .protocol import FrameError, FrameReader, descriptors, encode_frame, listen, peer_uid
 from .registry import Region, RegionRegistry
 
-__all__ = ["Authorize", "Calls", "RegionServer", "token_check"]
+__all__ = ["Authorize", "Calls", "RegionServer"]
 
 #: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
-#: hangs up, the connection's descriptor, the peer's uid) -> the reply, or None where a worker
-#: wrote it to the descriptor itself (whole, or the connection shut down)
-#: answers a `prefill` frame: (message, gone, the socket's descriptor, the peer's uid, whom the
-#: hello's token names)
+#: hangs up, the connection's descriptor, the peer's uid, whom its hello's token named) -> the
+#: reply, or None where a worker wrote it to the descriptor itself (whole, or the connection
+#: shut down)
 Calls = Callable[
     [dict[str, Any], "asyncio.Future[None]", int, int | None, Hashable],
     Awaitable[dict[str, Any] | None],
@@ -60,18 +56,6 @@ Calls = Callable[
 #: checks a hello's token (None: none given): returns whom it names (None: no one, the peer's
 #: uid counts), raises UnauthorizedError for one that opens nothing
 Authorize = Callable[[str | None], Hashable]
-
-
-def token_check(token: str) -> Authorize:
-    """The check of one shared token (compared in constant time), naming no one."""
-    good = token.encode()
-
-    def check(given: str | None) -> None:
-        if given is None or not hmac.compare_digest(given.encode(), good):
-            raise UnauthorizedError("a valid bearer token is required")
-
-    return check
-
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -118,8 +102,8 @@ class RegionServer:
         max_unauthenticated: int = 16,
         calls: Calls | None = None,
     ) -> None:
-        self.path, self.registry, self.max_clients = path, registry, max_clients
-        self.authorize = authorize
+        self.path, self.registry, self.authorize = path, registry, authorize
+        self.max_clients = max_clients
         self.instance = instance  # /health names it too: a client checks it reached this server
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.max_unauthenticated = max_unauthenticated
@@ -135,32 +119,7 @@ class RegionServer:
     def start(self) -> None:
         """Listen on `path`: its folder is made owner-only when created here, the socket is
         owner-only, and a stale socket file left by a killed server is replaced."""
-        folder = Path(self.path).parent
-        if not folder.exists():
-            folder.mkdir(mode=0o700, parents=True)
-        info = folder.stat()
-        open_to_others = info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX
-        if info.st_uid not in (0, os.getuid()) or open_to_others:
-            raise PermissionError(
-                f"{folder}: expected a folder of this user's (or root's) that others cannot "
-                f"write to, for the regions' socket; got owner {info.st_uid}, mode "
-                f"{stat.S_IMODE(info.st_mode):o}"
-            )
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            old = os.umask(0o177)  # the socket is created 0600, never briefly wider
-            try:
-                listener.bind(self.path)
-            finally:
-                os.umask(old)
-            listener.listen(64)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
+        listener = listen(self.path)
         self._listener = listener
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(listener.fileno(), self._accept)
