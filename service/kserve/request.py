@@ -21,6 +21,7 @@ import torch
 from zen_mla import InvalidInputError, NotFoundError, WireFormatError
 from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
+from zen_mla.wire.safetensors import viewable
 
 __all__ = [
     "INPUTS",
@@ -309,9 +310,12 @@ def _input(raw: object, binary_at: int) -> InputSpec:
             f"{name}.datatype", f"one of {', '.join(kinds)}", repr(datatype)[:40]
         )
     shape = raw.get("shape")
-    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and viewable(shape)):
         raise InvalidInputError(
-            f"{name}.shape", "a list of whole numbers 0 <= d < 2^48", repr(shape)[:60]
+            f"{name}.shape",
+            "a list of whole numbers 0 <= d < 2^48, of fewer than 2^48 elements (a 0 dim "
+            "counted as 1)",
+            repr(shape)[:60],
         )
     if len(shape) != ndim:
         layout = "[T, H, D]" if ndim == 3 else "[B + 1]"

@@ -306,13 +306,16 @@ def test_inference_header_length_that_is_not_a_byte_count_is_400(door, value):
     assert "Inference-Header-Content-Length" in r.json()["error"]
 
 
-@pytest.mark.parametrize("dim", [1 << 63, 1 << 64, 1 << 48])
-def test_a_dimension_of_2_to_the_63_is_a_422(door, dim):
+@pytest.mark.parametrize("dims", [(1 << 63, 4), (1 << 64, 4), (1 << 48, 4), (1 << 47, 1 << 47)])
+def test_a_dimension_of_2_to_the_63_is_a_422(door, dims):
+    """And dims each under the cap whose elements are not (a 0 dim counted as 1): torch's view
+    of no elements overflowed on them, a 500."""
+    dim, d = dims
     doc = v2_json(
         [
-            tensor("q", "FP32", [0, dim, 4], []),
-            tensor("k", "FP32", [0, dim, 4], []),
-            tensor("v", "FP32", [0, dim, 4], []),
+            tensor("q", "FP32", [0, dim, d], []),
+            tensor("k", "FP32", [0, dim, d], []),
+            tensor("v", "FP32", [0, dim, d], []),
             tensor("q_cu_seq_lens", "INT32", [1], [0]),
         ]
     )

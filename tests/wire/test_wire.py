@@ -92,6 +92,10 @@ MALFORMED = {
         ),
         WireFormatError,
     ),
+    "empty_view_of_huge_dims": (
+        _with_header({"q": {"dtype": "F32", "shape": [2**47, 2**47, 0], "data_offsets": [0, 0]}}),
+        WireFormatError,
+    ),
     "size_mismatch": (
         _with_header({"q": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
         WireFormatError,

@@ -31,6 +31,7 @@ from .safetensors import (
     MAX_METADATA_VALUE,
     REQUEST_TENSORS,
     RESPONSE_TENSORS,
+    viewable,
 )
 
 __all__ = [
@@ -105,18 +106,13 @@ def _whole(name: str, field: str, value: object) -> int:
 
 
 def _shape(name: str, shape: object) -> tuple[int, ...]:
-    """At most `_MAX_DIMS` dims, each a count (`_whole`), and fewer than MAX_DIM elements
-    counting a 0 dim as 1: torch sizes a view of no elements by its other dims all the same,
-    and [2^47, 2^47, 0] overflows them."""
+    """At most `_MAX_DIMS` dims, each a count (`_whole`), `viewable`."""
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
         raise InvalidInputError(
             f"{name}.shape", f"a list of <= {_MAX_DIMS} sizes", repr(shape)[:80]
         )
     dims = tuple(_whole(name, "shape", d) for d in shape)
-    elements = 1
-    for d in dims:
-        elements *= max(d, 1)
-    if elements >= MAX_DIM:
+    if not viewable(dims):
         raise InvalidInputError(
             f"{name}.shape",
             "fewer than 2^48 elements (a 0 dim counted as 1)",

@@ -15,7 +15,7 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "options_metadata",
     "parse_options",
     "tensor_bytes",
+    "viewable",
 ]
 
 #: generous for five tensors and the metadata (a real request header is ~600 bytes)
@@ -47,6 +48,18 @@ MAX_METADATA_VALUE = 256
 REQUEST_TENSORS = frozenset({"q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"})
 RESPONSE_TENSORS = frozenset({"out", "lse"})
 MAX_DIM = 1 << 48  # a dimension's cap, whatever the wire: well past memory, far below 2^63
+
+
+def viewable(shape: Sequence[int]) -> bool:
+    """Whether a shape of dims each below MAX_DIM has fewer than MAX_DIM elements counting a 0
+    dim as 1, as every wire requires: torch sizes a view of no elements by its other dims all
+    the same, and [2^47, 2^47, 0] overflows them (a RuntimeError past the checks)."""
+    elements = 1
+    for d in shape:
+        elements *= max(d, 1)
+    return elements < MAX_DIM
+
+
 MAX_REQUEST_ID = 128  # characters of a request id (echoed and logged)
 REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
 
@@ -101,9 +114,13 @@ def _entry(name: str, raw: object, data_bytes: int) -> _Entry:
         not isinstance(shape, list)
         or len(shape) > 8
         or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
+        or not viewable(shape)
     ):
         raise WireFormatError(
-            name, "a shape of at most 8 dims, each 0 <= d < 2^48", repr(shape)[:80]
+            name,
+            "a shape of at most 8 dims, each 0 <= d < 2^48, of fewer than 2^48 elements (a 0 dim "
+            "counted as 1)",
+            repr(shape)[:80],
         )
     offsets = raw["data_offsets"]
     if (
