@@ -23,8 +23,10 @@ def start_server(
     uds: str | None = None,
     system_shm: bool = False,
     cpus: tuple[int, ...] | None = None,
+    settings: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`zen-mla serve` (on `cpus` only, where given: its workers find those), ready."""
+    """`zen-mla serve` (on `cpus` only, where given: its workers find those), ready; `settings`
+    as ZEN_MLA_<NAME> variables."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -36,6 +38,7 @@ def start_server(
         ZEN_MLA_LOG_LEVEL="warning",
         ZEN_MLA_SYSTEM_SHM="true" if system_shm else "false",
     )
+    env |= {f"ZEN_MLA_{k.upper()}": v for k, v in (settings or {}).items()}
     proc = subprocess.Popen(
         [
             sys.executable,

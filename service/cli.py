@@ -147,6 +147,7 @@ BENCHES = (
     "load",
     "gpu",
     "scaling",
+    "charges",
 )
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 

@@ -145,9 +145,8 @@ async def respond(
     except BaseException:
         result.release()
         raise
-    if not chunks:
-        result.release()
-        return Response(head, media_type="application/json")
+    if not chunks:  # its numbers are in the JSON: the answer is the head alone, still paced
+        return stream(head, [], result, "application/json")
     return stream(
         head,
         chunks,
