@@ -1,5 +1,5 @@
 """zen-mla's native MLA prefill kernel (`native.cpp`, built at install): the whole ragged batch in
-one call, Dqk and Dv apart (no padded V), bottom-right causal, fp32-accurate LSE."""
+one call, Dqk and Dv apart (V never padded to Dqk), bottom-right causal, fp32-accurate LSE."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from types import ModuleType
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..batch import RaggedBatch
 from ..host import HostFacts
@@ -20,6 +19,7 @@ __all__ = [
     "BLOCK_KEYS",
     "BLOCK_QUERIES",
     "EXTENSION",
+    "PACK_FLOOR_BYTES",
     "NativeKernel",
     "native_module",
     "native_unavailable",
@@ -27,13 +27,19 @@ __all__ = [
 
 #: queries of a work item (one sequence, one head): the rows of each brgemm call
 BLOCK_QUERIES = 128
-#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block, and
-#: the part of a block a causal diagonal shows, are narrower, rounded up to 32). 128 x 256 keeps
+#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block is
+#: packed a power of two from 32 wide, and a causal diagonal that shows no more than half a
+#: block multiplies that half: native.cpp keeps its brgemm shapes few). 128 x 256 keeps
 #: a thread's tiles (S, P, acc, a packed K and V block: ~420 KiB) in a Zen 4 / Zen 5 core's
 #: 1 MiB L2. Measured on a Zen 4 (2 threads, paired) against 32, 64, 192 and 256 x 256 and
 #: 64 and 128 x 128: 256 x 256 was 3 % faster on `long` and `chunk` but slower on `mixed`, and
 #: leaves 16 threads a quarter of the items on `chunk`; 64 x 256 was 5-8 % slower on all three
 BLOCK_KEYS = 256
+#: the packed K and V of a call take at most twice the bytes of k and v, or this where that is
+#: less (a whole head where one takes more): past it, heads are packed and attended a group at
+#: a time. Padding makes a packed key of a tiny head cost many times its bytes (1 key of
+#: Dqk = 2, Dv = 1 packs 32 keys of 64 + 64 columns); MLA's batches pack in one group.
+PACK_FLOOR_BYTES = 32 << 20
 
 #: the extension's module, built by setup.py from native.cpp
 EXTENSION = "zen_mla.attention.kernels._native"
@@ -112,17 +118,11 @@ class NativeKernel(AttentionKernel):
         assert module is not None, why  # the selector hands it batches only where it runs
         if batch.q.shape[0] == 0:
             return
-        # The kernel writes host memory, rows with unit stride; any other `out` takes the result
-        # by a copy.
-        direct = out.device.type == "cpu" and out.stride(-1) == 1
-        dst = out if direct else torch.empty(out.shape, dtype=out.dtype)
-        q, k = batch.q, batch.k
-        extra = -q.shape[-1] % 32
-        if extra:  # AMX's bf16 tiles take Dqk 32 deep: zero columns change no score
-            q, k = F.pad(q, (0, extra)), F.pad(k, (0, extra))
+        # The kernel writes host memory, any strides; a device `out` takes the result by a copy.
+        dst = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
         module.attend(
-            q,
-            k,
+            batch.q,
+            batch.k,
             batch.v,
             torch.tensor(batch.q_cu_seq_lens, dtype=torch.int64),
             torch.tensor(batch.kv_cu_seq_lens, dtype=torch.int64),
@@ -132,6 +132,13 @@ class NativeKernel(AttentionKernel):
             lse,
             BLOCK_QUERIES,
             BLOCK_KEYS,
+            _pack_budget(batch),
         )
         if dst is not out:
             out.copy_(dst)
+
+
+def _pack_budget(batch: RaggedBatch) -> int:
+    """The bytes the packed K and V of a call may take (`PACK_FLOOR_BYTES`)."""
+    kv_bytes = batch.k.shape[0] * batch.num_heads * (batch.qk_head_dim + batch.v_head_dim) * 2
+    return max(PACK_FLOOR_BYTES, 2 * kv_bytes)
