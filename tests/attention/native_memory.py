@@ -1,7 +1,10 @@
 """What the native kernel's calls leave resident, measured in a fresh process (run as
 `python -m tests.attention.native_memory ...`, printing one JSON object): `shapes` sweeps many
-distinct head counts and head dims and reports the growth of RssAnon. It sets torch's threads
-to 2 first (each thread keeps its own oneDNN kernels).
+distinct head counts and head dims and reports the growth of RssAnon; `peak` makes one call and
+reports the peak growth of the resident set during it and `NativeKernel.workspace_bytes`.
+
+Both set torch's threads to 2 first (each thread keeps its own oneDNN kernels) and warm up on a
+shape of their own, so what is measured is the kernel's, not the first call's of the process.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ from zen_mla.attention.kernels.native import NativeKernel
 
 THREADS = 2
 
+#: (H, Dqk, Dv, q lens, kv lens, causal) of `peak`'s cases
+PEAK_CASES = {
+    # 3.8 MiB of q, k and v whose padding (32 keys of 64 + 64 columns for one key of 2 + 1)
+    # made the kernel pack 844 MiB at once
+    "hostile_heads": (400_000, 2, 1, [1], [1], True),
+    "mla_long": (16, 192, 128, [4096], [4096], True),
+    "mla_chunk": (16, 192, 128, [256] * 4, [2048] * 4, False),
+    "many_short": (16, 192, 128, [64] * 32, [64] * 32, True),
+    "wide_heads_tails": (4, 300, 260, [130, 7, 0], [700, 33, 5], True),
+}
+
 #: the bounds of `shapes`' sweep: head counts, head dims, query and key lengths
 MAX_HEADS, MAX_DQK, MAX_LEN = 48, 320, 130
 
@@ -36,8 +50,43 @@ def cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)])
 
 
+def make(
+    heads: int, dqk: int, dv: int, q_lens: list[int], kv_lens: list[int], causal: bool
+) -> RaggedBatch:
+    gen = torch.Generator().manual_seed(heads + dqk + dv)
+    tq, tk = sum(q_lens), sum(kv_lens)
+    q = torch.randn(tq, heads, dqk, generator=gen).bfloat16()
+    k = torch.randn(tk, heads, dqk, generator=gen).bfloat16()
+    v = torch.randn(tk, heads, dv, generator=gen).bfloat16()
+    return validate(q, k, v, cu(q_lens), cu(kv_lens), causal=causal, scale=None)
+
+
 def run(batch: RaggedBatch, out: torch.Tensor, lse: torch.Tensor) -> None:
     NativeKernel.forward_ragged(batch, out, lse)
+
+
+def warm_up() -> None:
+    batch = make(2, 192, 128, [300], [300], True)
+    run(batch, torch.empty(300, 2, 128, dtype=torch.bfloat16), torch.empty(2, 300))
+
+
+def peak(case: str) -> dict[str, int]:
+    """One call of `case` after a warm-up: VmHWM's rise over VmRSS (the peak reset by
+    clear_refs) while it runs, with out and lse allocated before."""
+    warm_up()
+    heads, dqk, dv, q_lens, kv_lens, causal = PEAK_CASES[case]
+    batch = make(heads, dqk, dv, q_lens, kv_lens, causal)
+    tq = sum(q_lens)
+    out = torch.zeros(tq, heads, dv, dtype=torch.bfloat16)
+    lse = torch.zeros(heads, tq)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status("VmRSS")
+    run(batch, out, lse)
+    return {
+        "peak_growth": status("VmHWM") - before,
+        "workspace_bytes": NativeKernel.workspace_bytes(batch, return_lse=True),
+        "input_bytes": sum(t.numel() * t.element_size() for t in (batch.q, batch.k, batch.v)),
+    }
 
 
 def shapes(count: int, checked: int) -> dict[str, object]:
@@ -87,12 +136,14 @@ def shapes(count: int, checked: int) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("peak").add_argument("case", choices=PEAK_CASES)
     sweep = sub.add_parser("shapes")
     sweep.add_argument("count", type=int)
     sweep.add_argument("checked", type=int)
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    print(json.dumps(shapes(args.count, args.checked)))
+    result = peak(args.case) if args.what == "peak" else shapes(args.count, args.checked)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

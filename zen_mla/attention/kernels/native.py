@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
 
 import torch
 
-from ..batch import RaggedBatch
+from ..batch import SMALL_BATCH, RaggedBatch
 from ..host import HostFacts
 from .base import AttentionKernel, KernelCall
 
@@ -40,6 +41,8 @@ BLOCK_KEYS = 256
 #: a time. Padding makes a packed key of a tiny head cost many times its bytes (1 key of
 #: Dqk = 2, Dv = 1 packs 32 keys of 64 + 64 columns); MLA's batches pack in one group.
 PACK_FLOOR_BYTES = 32 << 20
+#: the widest Dqk (and Dv) one brgemm call takes, as native.cpp's kChunk
+_CHUNK = 256
 
 #: the extension's module, built by setup.py from native.cpp
 EXTENSION = "zen_mla.attention.kernels._native"
@@ -137,8 +140,92 @@ class NativeKernel(AttentionKernel):
         if dst is not out:
             out.copy_(dst)
 
+    @classmethod
+    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool) -> int:
+        """An upper bound of the bytes one `forward_ragged` call over `batch` allocates beyond
+        its inputs, `out` and `lse`, for an `out` in host memory (as the engine and the workers
+        hand it; a device `out` costs one more host copy of its size). It counts:
+
+        - the packed K and V, bf16: `ceil64(Dqk)` (past 256: a multiple of 256) plus
+          `ceil64(Dv)` columns for each packed key (a sequence's keys in blocks of 256, its
+          last block packed a power of two from 32 wide), for the heads of one group: all of
+          them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and v) holds, at
+          least one. The buffer is kept for the next call (up to 256 MiB), which allocates
+          none where the kept one is large enough: counted all the same;
+        - each thread's tiles (`torch.get_num_threads()` threads): its queries (bf16,
+          128 x `ceil64(Dqk)`), scores (fp32, 128 x 256) and probabilities (bf16), the fp32
+          accumulator (128 x `ceil64(Dv)`), running max and sum;
+        - the plan: the sequences, key blocks and query blocks, and the two int64
+          cu_seq_lens tensors.
+
+        Nothing is padded outside the kernel (q, k and v are read in place). Not counted, as
+        no one call's: the oneDNN kernels ATen caches per thread for the life of the process
+        (at most 164 a thread, ~7 MiB, whatever the requests: native.cpp). `return_lse`
+        changes nothing: `lse` is the caller's.
+        """
+        heads, dqk, dv = batch.num_heads, batch.qk_head_dim, batch.v_head_dim
+        bm, bn = BLOCK_QUERIES, BLOCK_KEYS
+        kq, nv = _qk_depth(dqk), _round_up(dv, 64)
+        columns, blocks, units = _plan(batch)
+        head_bytes = columns * (kq + nv) * 2
+        group = heads if head_bytes == 0 else min(heads, max(1, _pack_budget(batch) // head_bytes))
+        packed = _round_up(max(group * head_bytes, 1), 64)
+        tiles = sum(
+            _round_up(n, 64)
+            for n in (bm * kq * 2, bm * bn * 4, bm * nv * 4, bm * 4, bm * 4, bm * bn * 2)
+        )
+        seqs = batch.num_requests
+        # native.cpp's Seq and KeyBlock: 5 int64 each, Unit 7; cu_seq_lens: B + 1 int64 each
+        plan = 40 * (seqs + blocks) + 56 * units + 2 * 8 * (seqs + 1)
+        return packed + tiles * torch.get_num_threads() + plan
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _qk_depth(dqk: int) -> int:
+    """Dqk as the kernel's brgemm calls take it (native.cpp's qk_depth)."""
+    return _round_up(dqk, 64) if dqk <= _CHUNK else _round_up(dqk, _CHUNK)
+
 
 def _pack_budget(batch: RaggedBatch) -> int:
     """The bytes the packed K and V of a call may take (`PACK_FLOOR_BYTES`)."""
     kv_bytes = batch.k.shape[0] * batch.num_heads * (batch.qk_head_dim + batch.v_head_dim) * 2
     return max(PACK_FLOOR_BYTES, 2 * kv_bytes)
+
+
+def _plan(batch: RaggedBatch) -> tuple[int, int, int]:
+    """(packed key columns of one head, key blocks, query blocks) of a call, as native.cpp
+    plans it: keys in blocks of `BLOCK_KEYS`, a sequence's last block rounded up to a power of
+    two from 32; queries in blocks of `BLOCK_QUERIES`. In Python for a few sequences, else in
+    int64 tensor arithmetic."""
+    bm, bn = BLOCK_QUERIES, BLOCK_KEYS
+    qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
+    if len(kc) <= SMALL_BATCH:
+        sks = [b - a for a, b in itertools.pairwise(kc)]
+        sqs = [b - a for a, b in itertools.pairwise(qc)]
+        tails = [sk % bn for sk in sks]
+        columns = sum(sk - t for sk, t in zip(sks, tails, strict=True)) + sum(
+            _tail_width(t) for t in tails if t
+        )
+        return columns, sum(-(-sk // bn) for sk in sks), sum(-(-sq // bm) for sq in sqs)
+    k = torch.tensor(kc, dtype=torch.int64)
+    q = torch.tensor(qc, dtype=torch.int64)
+    sk, sq = k[1:] - k[:-1], q[1:] - q[:-1]
+    tail = sk % bn
+    # a tail's width: the power of two from 32 that holds it (bn is 256: 32, 64, 128, 256)
+    width = torch.full_like(tail, 32)
+    while bool((width < tail).any()):
+        width = torch.where(width < tail, width * 2, width)
+    width = torch.where(tail > 0, torch.clamp(width, max=bn), 0)
+    columns = int((sk - tail).sum() + width.sum())
+    return columns, int(((sk + bn - 1) // bn).sum()), int(((sq + bm - 1) // bm).sum())
+
+
+def _tail_width(n: int) -> int:
+    """The packed width of a last key block of `n` keys (native.cpp's pow2_bucket)."""
+    width = 32
+    while width < n:
+        width *= 2
+    return min(width, BLOCK_KEYS)
