@@ -152,9 +152,11 @@ class NativeKernel(AttentionKernel):
           them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and v) holds, at
           least one. The buffer is kept for the next call (up to 256 MiB), which allocates
           none where the kept one is large enough: counted all the same;
-        - each thread's tiles (`torch.get_num_threads()` threads): its queries (bf16,
-          128 x `ceil64(Dqk)`), scores (fp32, 128 x 256) and probabilities (bf16), the fp32
-          accumulator (128 x `ceil64(Dv)`), running max and sum;
+        - each thread's tiles, ~0.3 MiB at MLA's head dims, for `torch.get_num_threads()`
+          threads (this process's: a process that asks for a worker with another thread count
+          scales this term): its queries (bf16, 128 x the packed Dqk), scores (fp32,
+          128 x 256) and probabilities (bf16), the fp32 accumulator (128 x `ceil64(Dv)`),
+          running max and sum;
         - the plan: the sequences, key blocks and query blocks, and the two int64
           cu_seq_lens tensors.
 
