@@ -68,10 +68,13 @@ def test_runs_only_the_native_kernel_with_the_model_head_dims():
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("heads", [(2, 64, 64), (3, 256, 128), (2, 33, 17), (1, 16, 8)])
+@pytest.mark.parametrize(
+    "heads",
+    [(2, 64, 64), (3, 256, 128), (2, 33, 17), (1, 16, 8), (4, 1, 1), (2, 300, 260), (1, 576, 512)],
+)
 def test_other_head_dims_match_fp64(heads):
-    """Dqk and Dv equal and apart, odd ones and ones not a multiple of 32 (zero columns are
-    added to Q and K), small ones."""
+    """Dqk and Dv equal and apart, odd ones and ones not a multiple of 64 (the packed K and V and
+    the query tile are zero past them), small ones, and ones past 256 (taken 256 at a time)."""
     spec = BatchSpec([5, 70, 1], [9, 300, 1])
     (q, k, v, q_cu, kv_cu), out, lse = _run(spec, True, heads)
     want_out, want_lse = attention_fp64(
