@@ -84,7 +84,9 @@ def peak(case: str) -> dict[str, int]:
     run(batch, out, lse)
     return {
         "peak_growth": status("VmHWM") - before,
-        "workspace_bytes": NativeKernel.workspace_bytes(batch, return_lse=True),
+        "workspace_bytes": NativeKernel.workspace_bytes(
+            batch, return_lse=True, threads=torch.get_num_threads()
+        ),
         "input_bytes": sum(t.numel() * t.element_size() for t in (batch.q, batch.k, batch.v)),
     }
 

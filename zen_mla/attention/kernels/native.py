@@ -14,7 +14,7 @@ import torch
 
 from ..batch import SMALL_BATCH, RaggedBatch
 from ..host import HostFacts
-from .base import TILE_QUERIES, AttentionKernel, KernelCall, round32
+from .base import AttentionKernel, KernelCall
 
 __all__ = [
     "BLOCK_KEYS",
@@ -111,26 +111,15 @@ class NativeKernel(AttentionKernel):
 
     @classmethod
     def work(cls, batch: RaggedBatch) -> int:
-        # Dqk is padded to 32; a row computes up to 31 keys past its last (key blocks are whole
-        # 32s) and, on a causal diagonal, the keys its block's last row sees.
+        # Dqk is taken `_qk_depth` deep. Past the visible pairs, a row computes the packing of
+        # its sequence's last key block (under 256 keys) and, on a causal diagonal, the keys its
+        # block's last row sees (under 128 more); a sequence's last query block is rounded up
+        # to 16, 32, 64 or 128 rows (under 64 more), each seeing at most its sequence's keys.
         tq, h, dqk = batch.q.shape
-        extra = 32 + (BLOCK_QUERIES if batch.causal else 0)
-        return h * round32(dqk) * (batch.work() // (h * dqk) + tq * extra)
-
-    @classmethod
-    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool, threads: int) -> int:
-        # q and k padded to Dqk 32 deep; K and V of every head packed, sequences 32 long; per
-        # thread its tiles; `out` through a copy where it is not written directly.
-        tq, h, dqk = batch.q.shape
-        tk, dv = int(batch.k.shape[0]), batch.v_head_dim
-        padded = (tq + tk) * h * round32(dqk) * 2 if dqk % 32 else 0
-        keys = tk + 32 * batch.num_requests
-        packed = h * keys * (round32(dqk) + round32(dv)) * 2
-        tiles = threads * (
-            TILE_QUERIES * (BLOCK_KEYS * 6 + (round32(dv) + 2) * 4)
-            + 2 * BLOCK_KEYS * (round32(dqk) + round32(dv)) * 2
-        )
-        return padded + packed + tiles + tq * h * dv * 2
+        columns = _plan(batch)[0]
+        per_row = BLOCK_KEYS + (BLOCK_QUERIES if batch.causal else 0)
+        pairs = batch.work() // (h * dqk) if h * dqk else 0
+        return h * _qk_depth(dqk) * (pairs + 63 * columns + tq * per_row)
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,7 +153,7 @@ class NativeKernel(AttentionKernel):
             out.copy_(dst)
 
     @classmethod
-    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool) -> int:
+    def workspace_bytes(cls, batch: RaggedBatch, return_lse: bool, threads: int) -> int:
         """An upper bound of the bytes one `forward_ragged` call over `batch` allocates beyond
         its inputs, `out` and `lse`, for an `out` in host memory (as the engine and the workers
         hand it; a device `out` costs one more host copy of its size). It counts:
@@ -175,11 +164,9 @@ class NativeKernel(AttentionKernel):
           them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and v) holds, at
           least one. The buffer is kept for the next call (up to 256 MiB), which allocates
           none where the kept one is large enough: counted all the same;
-        - each thread's tiles, ~0.3 MiB at MLA's head dims, for `torch.get_num_threads()`
-          threads (this process's: a process that asks for a worker with another thread count
-          scales this term): its queries (bf16, 128 x the packed Dqk), scores (fp32,
-          128 x 256) and probabilities (bf16), the fp32 accumulator (128 x `ceil64(Dv)`),
-          running max and sum;
+        - each of `threads` threads' tiles, ~0.3 MiB at MLA's head dims: its queries (bf16,
+          128 x the packed Dqk), scores (fp32, 128 x 256) and probabilities (bf16), the fp32
+          accumulator (128 x `ceil64(Dv)`), running max and sum;
         - the plan: the sequences, key blocks and query blocks, and the two int64
           cu_seq_lens tensors.
 
@@ -202,7 +189,7 @@ class NativeKernel(AttentionKernel):
         seqs = batch.num_requests
         # native.cpp's Seq and KeyBlock: 5 int64 each, Unit 7; cu_seq_lens: B + 1 int64 each
         plan = 40 * (seqs + blocks) + 56 * units + 2 * 8 * (seqs + 1)
-        return packed + tiles * torch.get_num_threads() + plan
+        return packed + tiles * threads + plan
 
 
 def _round_up(n: int, step: int) -> int:
