@@ -17,6 +17,7 @@ from ..wire.dtypes import INDEX_DTYPES, VALUE_DTYPES
 
 __all__ = [
     "DTYPES",
+    "SMALL_BATCH",
     "RaggedBatch",
     "Run",
     "check_num_seqs",
