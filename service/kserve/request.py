@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, NotFoundError, WireFormatError
-from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id
+from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id, viewable
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
-from zen_mla.wire.safetensors import viewable
 
 __all__ = [
     "INPUTS",
