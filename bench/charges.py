@@ -70,6 +70,12 @@ def charge(tensors: dict[str, torch.Tensor], kernel: str, threads: int) -> int:
 
 def small_bodies(url: str, worker: int, threads: int, kernel: str) -> list[list[str]]:
     rows = []
+    with httpx.Client(timeout=120) as c:  # what a worker makes once for its life, first
+        c.post(
+            url + "/prefill",
+            content=body_of(many_heads(1), {"kernel": kernel}),
+            headers={"Content-Type": "application/octet-stream"},
+        )
     for heads in (100_000, 400_000):
         tensors = many_heads(heads)
         body = body_of(tensors, {"kernel": kernel})

@@ -142,6 +142,9 @@ def test_the_worker_allocates_no_more_than_its_request_is_charged(charged, kerne
     charge = _charge(tensors, kernel, worker["threads"])
     answer_bytes = tensors["q"].shape[0] * tensors["q"].shape[1] * tensors["v"].shape[2] * 2
     body = body_of(tensors, {"kernel": kernel})
+    # What a worker makes once for its life, whatever the requests (the kernel's compiled
+    # micro-kernels for these tile shapes, its first call's own state), made before measuring.
+    _post(charged, body_of(_many_heads(1), {"kernel": kernel}))
     answers = []
     grown = _peak_growth(worker["pid"], lambda: answers.append(_post(charged, body)))
     (answer,) = answers
