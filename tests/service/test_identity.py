@@ -38,6 +38,17 @@ def _clients(server: Server) -> list[str]:
     return names
 
 
+def _slow_body() -> bytes:
+    """Work of about a second on the fp32 reference kernel (2048 tokens, 8 heads, non-causal)."""
+    tensors = {
+        "q": torch.randn(2048, 8, 192).bfloat16(),
+        "k": torch.randn(2048, 8, 192).bfloat16(),
+        "v": torch.randn(2048, 8, 128).bfloat16(),
+        "q_cu_seq_lens": torch.tensor([0, 2048], dtype=torch.int32),
+    }
+    return body_of(tensors, {"kernel": "reference", "causal": "false"})
+
+
 def _post(server: Server, headers: dict[str, str], source: str = "127.0.0.1") -> httpx.Response:
     transport = httpx.HTTPTransport(local_address=source)
     with httpx.Client(base_url=server.url, transport=transport, timeout=60) as c:
@@ -97,13 +108,7 @@ def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenan
         ):
             c.prefill(tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"])
 
-        slow = {
-            "q": torch.randn(2048, 8, 192).bfloat16(),
-            "k": torch.randn(2048, 8, 192).bfloat16(),
-            "v": torch.randn(2048, 8, 128).bfloat16(),
-            "q_cu_seq_lens": torch.tensor([0, 2048], dtype=torch.int32),
-        }
-        flood_body = body_of(slow, {"kernel": "reference", "causal": "false"})
+        flood_body = _slow_body()
 
         def flood(stop: threading.Event) -> None:
             def one() -> None:
@@ -170,13 +175,7 @@ def test_head_only_uploads_from_eight_addresses_leave_a_newcomer_a_slot(small):
 def test_a_queue_flood_from_four_addresses_leaves_a_fifth_every_request(small):
     """Four addresses keep the queue (4 places) full of slow work; a client from a fifth gets
     every request through (7 of 7) within LOCKOUT_S each, answered right."""
-    slow = {
-        "q": torch.randn(2048, 8, 192).bfloat16(),
-        "k": torch.randn(2048, 8, 192).bfloat16(),
-        "v": torch.randn(2048, 8, 128).bfloat16(),
-        "q_cu_seq_lens": torch.tensor([0, 2048], dtype=torch.int32),
-    }
-    body = body_of(slow, {"kernel": "reference", "causal": "false"})
+    body = _slow_body()
 
     def flood(stop: threading.Event) -> None:
         def one(source: str) -> None:
