@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zen_mla
-from tests.attention.this_host import cpu_is_zen, native_runs, zentorch_runs
+from tests.attention.this_host import cpu_has_amx, cpu_is_zen, native_runs, zentorch_runs
 from tests.reference import attention_fp64
 from zen_mla import InvalidInputError, KernelUnavailableError
 from zen_mla.attention import select
@@ -51,7 +51,7 @@ def test_status_has_the_contract_fields():
     if status["auto_kernel"] == "zentorch":
         assert status["ops"]["zentorch_sdpa"] and status["cpu"]["zen"]
     if status["auto_kernel"] == "native":
-        assert status["native"]["ok"] and status["cpu"]["zen"]
+        assert status["native"]["ok"] and (status["cpu"]["zen"] or status["cpu"]["amx_bf16"])
     if status["ops"]["zentorch_sdpa"]:
         assert status["installed"] and status["version"]
     assert status["lse_kernel"] in AUTO_KERNELS and status["lse_reason"]
@@ -131,7 +131,9 @@ def test_each_kernel_says_whether_it_runs_here(name):
         return
     assert reason is None
     unsuited = kernel.auto_unsuited_reason(host)
-    if kernel in (ZentorchKernel, NativeKernel) and not cpu_is_zen():
+    if (kernel is ZentorchKernel and not cpu_is_zen()) or (
+        kernel is NativeKernel and not (cpu_is_zen() or cpu_has_amx())
+    ):
         assert unsuited is not None and host.cpu.vendor in unsuited
     else:
         assert unsuited is None
@@ -167,9 +169,9 @@ def test_auto_takes_the_first_kernel_in_order_that_suits_it(dtype, return_lse):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_auto_follows_the_host_facts(dtype):
     """On a Zen CPU: the native kernel for bf16 where it runs, else zentorch where its op works,
-    for the dtypes it computes at their own precision (not fp16); torch's flash kernel anywhere
-    else."""
-    on_native = native_runs() and cpu_is_zen() and dtype == torch.bfloat16
+    for the dtypes it computes at their own precision (not fp16); on a CPU with AMX the native
+    kernel for bf16 where it runs; torch's flash kernel anywhere else."""
+    on_native = native_runs() and (cpu_is_zen() or cpu_has_amx()) and dtype == torch.bfloat16
     on_zentorch = zentorch_runs() and cpu_is_zen() and dtype != torch.float16
     want = "native" if on_native else "zentorch" if on_zentorch else "torch"
     assert zen_mla.kernel_choice("auto", dtype).out == want

@@ -83,7 +83,8 @@ def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch)
     monkeypatch.setattr(select, "host_facts", lambda: probed)
     status = zen_mla.zentorch_status()
     assert not status["ops"]["zentorch_sdpa_lse"]
-    fallback = "native" if not probed.native_failure and probed.cpu.zen else "torch"
+    suits = probed.cpu.zen or probed.cpu.amx_bf16
+    fallback = "native" if not probed.native_failure and suits else "torch"
     assert status["lse_kernel"] == fallback
     if fallback == "torch" and status["auto_kernel"] == "zentorch":
         assert status["lse_reason"].startswith(f"{probed.native_failure}; the LSE was off by 3")

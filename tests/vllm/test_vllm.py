@@ -403,42 +403,6 @@ def test_elsewhere_it_stands_alone(monkeypatch):
     assert RemotePrefillBackend.__mro__ == (RemotePrefillBackend, object)
 
 
-@pytest.fixture
-def vllm_registry(monkeypatch):
-    """Stand-ins of vLLM's prefill registry (an enum with its CPU entries, and
-    `register_mla_prefill_backend` recording what it was handed) and of `vllm.platforms`.
-    The plugin in real vLLM: tests/vllm_engine/."""
-    calls: list[tuple[object, str]] = []
-    members = {"CPU": "CPU", "ZEN_CPU": "ZEN_CPU", "FLASH_ATTN": "FLASH_ATTN"}
-
-    class Backends:
-        __members__ = members
-
-        def __class_getitem__(cls, name):
-            return members[name]
-
-    def register_mla_prefill_backend(backend, class_path):
-        if isinstance(backend, str) and backend not in members.values():
-            members[backend] = backend
-        calls.append((backend, class_path))
-
-    registry = types.ModuleType(vllm.VLLM_REGISTRY)
-    registry.MLAPrefillBackendEnum = Backends  # type: ignore[attr-defined]
-    registry.register_mla_prefill_backend = register_mla_prefill_backend  # type: ignore[attr-defined]
-    platform = types.SimpleNamespace(cpu=True)
-    platform.is_cpu = lambda: platform.cpu
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = platform  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, vllm.VLLM_REGISTRY, registry)
-    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    ours = logging.getLogger("zen_mla")  # the plugin hands zen-mla's lines to vLLM's loggers
-    kept = (list(ours.handlers), ours.level, ours.propagate)
-    vllm.default_settings.cache_clear()
-    yield types.SimpleNamespace(calls=calls, platform=platform)
-    vllm.default_settings.cache_clear()
-    ours.handlers[:], ours.level, ours.propagate = kept
-
-
 def test_the_plugin_does_nothing_without_zen_mla_url(monkeypatch, vllm_registry):
     monkeypatch.delenv("ZEN_MLA_URL", raising=False)
     vllm.register()

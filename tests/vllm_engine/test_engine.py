@@ -1,6 +1,7 @@
 """vLLM's engine with zen-mla installed and ZEN_MLA_URL set, nothing else: its MLA prefill goes
-to a real zen-mla server, agrees call by call with vLLM's own CPU backend on the same tensors,
-and survives the server going away."""
+to a real zen-mla server, or to zen-mla's kernels in the engine's process (`ZEN_MLA_URL=local`),
+agrees call by call with vLLM's own CPU backend on the same tensors, and survives the server
+going away."""
 
 from __future__ import annotations
 
@@ -110,6 +111,37 @@ def test_context_chunks_go_to_the_service_and_agree_with_vllm(
         assert requests_answered(server, len(recording.calls)) == len(recording.calls)
     report("new tokens, no context", recording.worst("new_tokens"), len(recording.calls) - LAYERS)
     report("context chunks", recording.worst("context_chunk"), len(chunks))
+    out_diff, lse_diff = recording.worst()
+    assert out_diff <= OUT_ATOL and lse_diff <= LSE_ATOL
+
+
+def test_in_process_every_call_runs_in_zen_mlas_kernel_and_agrees_with_vllm(
+    tiny_model, monkeypatch, tmp_path, closing
+):
+    """`ZEN_MLA_URL=local`, nothing else: new tokens, then (the second pass of vLLM's
+    ExampleConnector) new tokens with LSE and a context chunk, per layer, all computed here."""
+    monkeypatch.setenv("ZEN_MLA_URL", "local")
+    zen_vllm.default_settings.cache_clear()
+    connector = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
+    )
+    try:
+        llm = engine(tiny_model, kv_transfer_config=connector)
+        closing.append(llm)
+        recording = record(monkeypatch)
+        before = zen_vllm.stats.snapshot()
+        generate(llm)  # stores
+        generate(llm)  # loads: new tokens with LSE, then one context chunk, per layer
+        after = zen_vllm.stats.snapshot()
+    finally:
+        zen_vllm.default_settings.cache_clear()
+    assert len(recording.of("context_chunk")) == LAYERS, recording.calls
+    assert len(recording.of("new_tokens")) == 2 * LAYERS
+    assert (after.local - before.local, after.remote - before.remote) == (3 * LAYERS, 0)
+    report("in process, new tokens", recording.worst("new_tokens"), 2 * LAYERS)
+    report("in process, context chunks", recording.worst("context_chunk"), LAYERS)
     out_diff, lse_diff = recording.worst()
     assert out_diff <= OUT_ATOL and lse_diff <= LSE_ATOL
 

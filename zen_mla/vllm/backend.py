@@ -1,5 +1,5 @@
-"""The remote MLA prefill backend: vLLM's CPU prefill backend methods, computed by the service
-(or here while it is down, see `link`)."""
+"""zen-mla's MLA prefill backend: vLLM's CPU prefill backend methods, computed by the service (or
+here while it is down, see `link`), or in this process (`ZEN_MLA_URL=local`, see `local`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,19 @@ import torch
 from ..client import PrefillClient
 from ..errors import InvalidInputError
 from ..wire import PrefillOptions
-from .context import ContextKV, call, check_out, lse_of, pool, prefill_with_context
+from .context import (
+    ContextKV,
+    Prefiller,
+    call,
+    check_out,
+    inline,
+    lse_of,
+    pool,
+    prefill_with_context,
+)
 from .link import ServiceLink
-from .settings import RemoteSettings, default_settings, service_ready
+from .local import LocalPrefiller
+from .settings import LocalSettings, Settings, default_settings, service_ready
 
 __all__ = ["BACKEND_NAME", "VLLM_BASE", "RemotePrefillBackend", "backend_class"]
 
@@ -37,7 +47,8 @@ class _ContextChunk(Protocol):
 
 
 class RemotePrefillBackend:
-    """vLLM's MLA prefill backend interface, computed by the zen-mla service.
+    """vLLM's MLA prefill backend interface, computed by the zen-mla service, or by zen-mla's
+    kernels in this process (`LocalSettings`).
 
     Built as vLLM builds its prefill backends; `settings` (keyword only, not vLLM's) overrides
     `default_settings()` and survives `clone()`. Tensors may live on any device: they travel as
@@ -60,7 +71,7 @@ class RemotePrefillBackend:
         v_head_dim: int,
         vllm_config: Any,
         *,
-        settings: RemoteSettings | None = None,
+        settings: Settings | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.scale = scale
@@ -70,12 +81,21 @@ class RemotePrefillBackend:
         self.v_head_dim = v_head_dim
         self.vllm_config = vllm_config
         self.settings = settings if settings is not None else default_settings()
-        self.link = ServiceLink.of(self.settings)
+        self.link: Prefiller = (
+            LocalPrefiller(self.settings)
+            if isinstance(self.settings, LocalSettings)
+            else ServiceLink.of(self.settings)
+        )
         self._prefill_metadata: _PrefillMetadata | None = None
 
     @property
     def client(self) -> PrefillClient:
-        """The client every backend of these settings shares (replaced after an outage)."""
+        """The client every backend of these settings shares (replaced after an outage); in
+        process there is none (`InvalidInputError`)."""
+        if not isinstance(self.link, ServiceLink):
+            raise InvalidInputError(
+                "client", "a backend of a service (ZEN_MLA_URL an http(s) URL)", "ZEN_MLA_URL=local"
+            )
         return self.link.client
 
     def clone(self) -> RemotePrefillBackend:
@@ -101,12 +121,15 @@ class RemotePrefillBackend:
         """Whether the backend can run with the environment's settings: always with the
         fallback (the service's state is the link's business, call by call); without it,
         whether the service answers `/health` as ready, decided once per process (see
-        `service_ready`). False for settings that cannot be read. Never raises."""
+        `service_ready`). In process: always. False for settings that cannot be read. Never
+        raises."""
         try:
             settings = default_settings()
         except InvalidInputError as exc:
             logger.warning("zen-mla is not configured: %s", exc)
             return False
+        if isinstance(settings, LocalSettings):
+            return True
         return settings.fallback or service_ready(settings)
 
     @classmethod
@@ -203,7 +226,10 @@ class RemotePrefillBackend:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """New tokens and all context chunks of the step at once (not vLLM's: an orchestrator
         that has gathered the whole context calls this instead of `run_prefill_new_tokens` and
-        one `run_prefill_context_chunk` per chunk). See `prefill_with_context`."""
+        one `run_prefill_context_chunk` per chunk). See `prefill_with_context`: the pieces go to
+        the service at once, or are computed here one after another (each on all of this
+        thread's cores)."""
+        settings = self.settings
         return prefill_with_context(
             self.link,
             q,
@@ -214,7 +240,9 @@ class RemotePrefillBackend:
             scale=self.scale,
             return_lse=return_softmax_lse,
             out=out,
-            executor=pool(self.settings.max_concurrency),
+            executor=(
+                inline() if isinstance(settings, LocalSettings) else pool(settings.max_concurrency)
+            ),
         )
 
 

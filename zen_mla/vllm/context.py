@@ -7,7 +7,7 @@ import concurrent.futures
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -30,6 +30,7 @@ __all__ = [
     "check_finite",
     "check_out",
     "check_result",
+    "inline",
     "lse_of",
     "pool",
     "prefill_with_context",
@@ -85,6 +86,24 @@ class _Pools:
 def pool(max_concurrency: int) -> ThreadPoolExecutor:
     """The process's thread pool of that size."""
     return _Pools.get(max_concurrency)
+
+
+class _Inline(Executor):
+    """Runs each piece on the submitting thread, there and then: pieces computed in this process
+    each take all its cores, so running two at once would only make them fight."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        future: Future[object] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the caller by result(), as a pool would
+            future.set_exception(exc)
+        return future
+
+
+def inline() -> Executor:
+    """An executor that runs each piece on the caller's thread, one after another."""
+    return _Inline()
 
 
 @dataclass(frozen=True, slots=True)

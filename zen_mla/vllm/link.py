@@ -8,13 +8,12 @@ While the service answers, every call goes to it. When a call cannot get an answ
 is unreachable, answers 503, 504 or 500, times out, or sends something that is not an answer:
 the wrong shape or dtype, or NaN or inf for a request of the batch whose inputs are finite), the
 link goes down: that call and every one after it is computed here with
-`zen_mla.ragged_attention` (same semantics, same LSE), and a thread probes `/health` after 1, 2,
-4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next call goes to the
-service again. One log line at each change, one per failed
-probe; `stats` counts the calls. A call the service refuses as sent (422 bad input, 401 bad
-token, 413 too large, ...) is no outage: it raises, as it would here. A 429 (queue full) is
-computed here, the link staying up. With `RemoteSettings.fallback` off, a failed call raises
-instead.
+`zen_mla.ragged_attention` (`compute_here`: same semantics, same LSE), and a thread probes
+`/health` after 1, 2, 4, ... seconds (at most `probe_max_interval_s`) until it says ok; the next
+call goes to the service again. One log line at each change, one per failed probe; `stats`
+counts the calls. A call the service refuses as sent (422 bad input, 401 bad token, 413 too
+large, ...) is no outage: it raises, as it would here. A 429 (queue full) is computed here, the
+link staying up. With `RemoteSettings.fallback` off, a failed call raises instead.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httpx
@@ -33,63 +31,17 @@ from ..copying import copy_into
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..wire import PrefillOptions
 from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, call
+from .local import compute_here
 from .settings import RemoteSettings, healthy
+from .stats import stats
 
-__all__ = ["ServiceLink", "Stats", "StatsSnapshot", "stats"]
+__all__ = ["ServiceLink"]
 
 logger = logging.getLogger("zen_mla.vllm")
 
 # What a call to the service can fail with when it got no usable answer. Whatever the client
 # raises is one of these (a ZenMLAError, or httpx/OS errors from below it).
 _NO_ANSWER = (ZenMLAError, httpx.HTTPError, OSError)
-
-
-@dataclass(frozen=True, slots=True)
-class StatsSnapshot:
-    """Calls since the process started: `remote` answered by the service, `local` computed in
-    this process because it could not be (`fallback`), `outages` times a link went down."""
-
-    remote: int
-    local: int
-    outages: int
-
-
-class Stats:
-    """Counters of every link in this process (`zen_mla.vllm.stats`); `_lock` guards them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._remote = self._local = self._outages = 0
-
-    def snapshot(self) -> StatsSnapshot:
-        with self._lock:
-            return StatsSnapshot(self._remote, self._local, self._outages)
-
-    def add(self, remote: int = 0, local: int = 0, outages: int = 0) -> None:
-        with self._lock:
-            self._remote += remote
-            self._local += local
-            self._outages += outages
-
-
-stats = Stats()
-
-
-def _local(tensors: RaggedTensors, options: PrefillOptions) -> PrefillOutput:
-    """The call computed in this process, as the service computes it (on the CPU: tensors on
-    another device come back there)."""
-    from .. import ragged_attention  # torch's kernels load on first use
-
-    device = tensors[0].device
-    qc, kc, vc, q_cu, kv_cu = (t.cpu() if t is not None else None for t in tensors)
-    assert qc is not None and kc is not None and vc is not None and q_cu is not None
-    causal, scale = options.causal, options.scale
-    if options.return_lse:
-        out, lse = ragged_attention(
-            qc, kc, vc, q_cu, kv_cu, causal=causal, return_lse=True, scale=scale
-        )
-        return out.to(device), lse.to(device)
-    return ragged_attention(qc, kc, vc, q_cu, kv_cu, causal=causal, scale=scale).to(device)
 
 
 class ServiceLink(CheckedPrefiller):
@@ -163,7 +115,7 @@ class ServiceLink(CheckedPrefiller):
         with self._lock:
             self._local_calls += 1
         stats.add(local=1)
-        local = _local(tensors, opts)
+        local = compute_here(tensors, opts)
         if out is None:
             return local
         if isinstance(local, tuple):

@@ -1,8 +1,9 @@
 """zen-mla as a vLLM general plugin: `register()`, the `vllm.general_plugins` entry point
 `zen_mla`, which vLLM calls in every process (main, engine core, workers).
 
-It does nothing unless `ZEN_MLA_URL` is set. When it is set, it registers the backend as vLLM's
-MLA prefill backend `ZEN_MLA`, selected on GPU platforms with
+It does nothing unless `ZEN_MLA_URL` is set. When it is set (to the service's URL, or to `local`
+for zen-mla's kernels in vLLM's own process), it registers the backend as vLLM's MLA prefill
+backend `ZEN_MLA`, selected on GPU platforms with
 `--attention-config '{"mla_prefill_backend": "ZEN_MLA"}'`. vLLM's CPU platform ignores
 `mla_prefill_backend` and always takes the first available of its `ZEN_CPU` and `CPU` prefill
 backends: there the plugin points both at zen-mla (vLLM's own registry overrides,
@@ -16,7 +17,7 @@ import logging
 import os
 
 from .backend import BACKEND_NAME
-from .settings import default_settings
+from .settings import LocalSettings, default_settings
 
 __all__ = ["BACKEND_PATH", "VLLM_REGISTRY", "register"]
 
@@ -29,7 +30,7 @@ CPU_PREFILL_ENTRIES = ("ZEN_CPU", "CPU")
 
 
 def register() -> None:
-    """vLLM's MLA prefill to zen-mla when `ZEN_MLA_URL` is set (see the module); logs one line
+    """vLLM's MLA prefill to zen-mla when `ZEN_MLA_URL` is set (see the module); logs a line
     saying what it did. Safe to call again. Raises `zen_mla.InvalidInputError` for settings
     that cannot be read (a bad URL, an empty token), so a misconfiguration stops vLLM at start
     rather than running without the service."""
@@ -44,26 +45,26 @@ def register() -> None:
         registry.register_mla_prefill_backend(backends[BACKEND_NAME], BACKEND_PATH)
     else:
         registry.register_mla_prefill_backend(BACKEND_NAME, BACKEND_PATH)
-    where = ", ".join(settings.urls)
-    fallback = "computed here while it is down" if settings.fallback else "no fallback"
+    if isinstance(settings, LocalSettings):
+        where = f"zen-mla's kernels in this process (ZEN_MLA_KERNEL={settings.kernel})"
+    else:
+        fallback = "computed here while it is down" if settings.fallback else "no fallback"
+        where = f"the service {', '.join(settings.urls)} ({fallback})"
     platform = importlib.import_module("vllm.platforms").current_platform
     if not platform.is_cpu():
         logger.info(
-            "zen-mla: registered MLA prefill backend %s (service %s, %s); select it with "
+            "zen-mla: registered MLA prefill backend %s (%s); select it with "
             '--attention-config \'{"mla_prefill_backend": "%s"}\'',
             BACKEND_NAME,
             where,
-            fallback,
             BACKEND_NAME,
         )
         return
     for name in CPU_PREFILL_ENTRIES:
         registry.register_mla_prefill_backend(backends[name], BACKEND_PATH)
     logger.info(
-        "zen-mla: vLLM's MLA prefill goes to the service %s (%s): CPU platform prefill "
-        "backends %s now point at %s",
+        "zen-mla: vLLM's MLA prefill goes to %s: CPU platform prefill backends %s now point at %s",
         where,
-        fallback,
         " and ".join(CPU_PREFILL_ENTRIES),
         BACKEND_PATH,
     )

@@ -1,5 +1,6 @@
-"""Where the service is, how to reach it, and what to do when it cannot be reached:
-`RemoteSettings`, read once per process from the environment, and `service_ready`."""
+"""Where vLLM's MLA prefill is computed, read once per process from the environment: by the
+service (`RemoteSettings`: where it is, how to reach it, what to do when it cannot be reached,
+and `service_ready`), or in vLLM's own process (`LocalSettings`, `ZEN_MLA_URL=local`)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,28 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ..attention.select import KERNEL_NAMES
 from ..client import PrefillClient
 from ..errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_URL",
+    "LOCAL",
+    "LocalSettings",
     "RemoteSettings",
+    "Settings",
     "default_settings",
     "healthy",
     "service_ready",
+    "settings_from_env",
 ]
 
 logger = logging.getLogger("zen_mla.vllm")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: `ZEN_MLA_URL=local`: zen-mla's kernels in vLLM's own process, no service
+LOCAL = "local"
 DEFAULT_CONCURRENCY = 8
 _URL_FORM = "http://host:port or https://host:port (port and path optional)"
 _TRUE = ("1", "true", "yes", "on")
@@ -129,11 +137,44 @@ def _check_url(url: str) -> None:
         raise refused(str(exc)) from exc
 
 
+@dataclass(frozen=True, slots=True)
+class LocalSettings:
+    """zen-mla's kernels in this process (vLLM's worker), no service: every call is
+    `zen_mla.ragged_attention(..., kernel=kernel)` on the caller's threads. `kernel`: "auto"
+    (the default: as `ragged_attention` resolves it on this CPU), "native", "zentorch",
+    "torch" or "reference"."""
+
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNEL_NAMES:
+            names = ", ".join(KERNEL_NAMES)
+            raise InvalidInputError("ZEN_MLA_KERNEL", f"one of {names}", repr(self.kernel))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LocalSettings:
+        """From `ZEN_MLA_KERNEL` (default `auto`)."""
+        env = os.environ if environ is None else environ
+        return cls(kernel=env.get("ZEN_MLA_KERNEL", "auto").strip() or "auto")
+
+
+#: where vLLM's MLA prefill is computed
+Settings = RemoteSettings | LocalSettings
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """`LocalSettings` where `ZEN_MLA_URL` is `local`, else `RemoteSettings`."""
+    env = os.environ if environ is None else environ
+    if env.get("ZEN_MLA_URL", "").strip().lower() == LOCAL:
+        return LocalSettings.from_env(env)
+    return RemoteSettings.from_env(env)
+
+
 @functools.cache
-def default_settings() -> RemoteSettings:
-    """`RemoteSettings.from_env()`, read once per process (`default_settings.cache_clear()`
-    reads the environment again)."""
-    return RemoteSettings.from_env()
+def default_settings() -> Settings:
+    """`settings_from_env()`, read once per process (`default_settings.cache_clear()` reads the
+    environment again)."""
+    return settings_from_env()
 
 
 def healthy(settings: RemoteSettings) -> bool:

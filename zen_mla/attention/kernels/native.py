@@ -85,8 +85,8 @@ class NativeKernel(AttentionKernel):
     ragged: ClassVar[bool] = True
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
     auto_reason: ClassVar[str] = (
-        "zen-mla's native kernel passed the start-up probe against fp64 and the CPU is AMD Zen, "
-        "where bench/kernel.py measured it faster than zentorch_sdpa"
+        "zen-mla's native kernel passed the start-up probe against fp64 and the CPU is AMD Zen or "
+        "has AMX, where bench/kernel.py measured it faster than zentorch_sdpa and torch's kernel"
     )
     lse_reason: ClassVar[str] = (
         "zen-mla's native kernel passed the start-up probe against fp64 (its LSE too)"
@@ -98,11 +98,12 @@ class NativeKernel(AttentionKernel):
 
     @classmethod
     def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
-        if host.cpu.zen:
+        if host.cpu.zen or host.cpu.amx_bf16:
             return None
         return (
-            f"zen-mla's native kernel works, but it was measured faster on AMD Zen only and the "
-            f"CPU is {host.cpu.vendor} (kernel='native' forces it)"
+            f"zen-mla's native kernel works, but it was measured faster on AMD Zen and on CPUs "
+            f"with AMX only, and the CPU is {host.cpu.vendor} without AMX (kernel='native' "
+            f"forces it)"
         )
 
     @classmethod
