@@ -148,6 +148,7 @@ BENCHES = (
     "gpu",
     "scaling",
     "charges",
+    "vllm_ttft",
 )
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 

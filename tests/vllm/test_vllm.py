@@ -413,8 +413,9 @@ def test_the_plugin_does_nothing_without_zen_mla_url(monkeypatch, vllm_registry)
 def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     monkeypatch, vllm_registry, caplog, amx
 ):
-    """One line per registration, and where the CPU has AMX (stood in for here, so that the
-    test says the same on every host) a warning naming the attention backend to choose."""
+    """One line per registration, and one of guidance: where the CPU has AMX (stood in for
+    here, so that the test says the same on every host) a warning naming the attention backend
+    to choose, else which of zen-mla's modes was fastest."""
     monkeypatch.setenv("ZEN_MLA_URL", "http://cpu-node:8000")
     monkeypatch.setattr(vllm.plugin, "_amx", lambda: amx)
     with caplog.at_level(logging.INFO, logger="zen_mla.vllm"):
@@ -426,6 +427,8 @@ def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     each = [(logging.INFO, "CPU platform prefill backends ZEN_CPU and CPU")]
     if amx:
         each.append((logging.WARNING, "unless vLLM runs with --attention-backend CPU_MLA"))
+    else:
+        each.append((logging.INFO, "its prefill is zen-mla's; on one host zen-mla in process"))
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "zen_mla.vllm"]
     assert len(said) == 2 * len(each), said
     for (level, line), (want_level, want) in zip(said, each + each, strict=True):
