@@ -148,6 +148,14 @@ def _agreement(
     return f"{len(same)}/{len(pairs)}, {worst:.3f}"
 
 
+def _paired_ratio(ms: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float | None:
+    """The median over prompts of this row's TTFT over another row's on the same prompt (the
+    two measured one after the other: a host's slow minutes fall on both)."""
+    ref = {(m["column"], m["tokens"], m["rep"]): m["ttft"] for m in theirs}
+    ratios = [m["ttft"] / ref[k] for m in ms if (k := (m["column"], m["tokens"], m["rep"])) in ref]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One line per (row, column, tokens): median TTFT, attention, kernel; first tokens against
     the cpu_mla row's (the same engine but for the prefill) and the default row's."""
@@ -171,6 +179,9 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                     "attention": statistics.median(m["attention"] for m in ms),
                     "kernel": statistics.median(m["kernel"] for m in ms),
                     "calls": ms[0]["calls"],
+                    "vs_local": _paired_ratio(ms, results.get("local", []))
+                    if row != "local"
+                    else None,
                     "vs_cpu_mla": against["cpu_mla"],
                     "vs_default": against["default"],
                 }
@@ -206,9 +217,13 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
                 if fastest_own[col] and row not in ("default", "cpu_mla")
                 else ""
             )
-            cells.append(f"{x['ttft']:.2f}{ratio}")
+            paired = f"; {x['vs_local']:.2f}x in process" if x.get("vs_local") else ""
+            cells.append(f"{x['ttft']:.2f}{ratio}{paired}")
         rows.append(cells)
-    print("\nTTFT, median seconds (x: of vLLM's fastest own backend in the same column)")
+    print(
+        "\nTTFT, median seconds (x: of vLLM's fastest own backend in the same column; in process: "
+        "the median of each prompt's TTFT over the in-process row's on the same prompt)"
+    )
     print(c.table(header, rows))
     print(
         "\nWhere the time goes (median seconds): attention = the prefill backend's calls; "
