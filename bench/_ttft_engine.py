@@ -102,12 +102,13 @@ def main(row: str, model: str, longest: str, cached: str) -> None:
     if row != "default":
         kwargs["attention_config"] = {"backend": "CPU_MLA"}
     keeps_prefixes = row == "default" and not _cpu_mla_default()  # AMX_MLA's cache
+    stored = tempfile.TemporaryDirectory(prefix="zen-mla-prefixes-")  # gone with this process
     if cached != "0" and not keeps_prefixes:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PrefixConnector",
             kv_connector_module_path="_prefix_connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()},
+            kv_connector_extra_config={"shared_storage_path": stored.name},
         )
     llm = LLM(**kwargs)
     timers = Timers(row)

@@ -321,8 +321,9 @@ def main() -> None:
     assert service_cpus is not None
     engine_cpus = tuple(x for x in everything if x not in service_cpus)
     longest = max([*args.prompts, args.cached])
+    scratch = tempfile.TemporaryDirectory(prefix="zen-mla-model-")  # gone when this ends
     model = write_deepseek(
-        Path(tempfile.mkdtemp()) / "model",
+        Path(scratch.name) / "model",
         config(heads=args.heads, layers=args.layers, max_positions=2 * longest),
     )
     print(f"vLLM TTFT on {host}: {args.heads} heads, {args.layers} layers", file=sys.stderr)
