@@ -4,6 +4,7 @@ landing in its own field, an unset one leaving the environment's value or the de
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import tempfile
 import types
@@ -144,6 +145,7 @@ def test_named_round_trips(case: str):
 _TENANTS = tempfile.NamedTemporaryFile("w", suffix=".tenants", delete=False)  # noqa: SIM115
 _TENANTS.write("team-a token-a\n")
 _TENANTS.close()
+atexit.register(os.unlink, _TENANTS.name)  # read while the tests are collected and run
 
 
 def _other_than_default(name: str) -> tuple[list[str], object]:
