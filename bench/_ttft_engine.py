@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCK", "main", "prompt_ids"]
+__all__ = ["BLOCK", "cpu_mla_is_default", "main", "prompt_ids"]
 
 BLOCK = 16  # vLLM's CPU MLA block size
 
@@ -34,7 +34,7 @@ class Timers:
     def __init__(self, row: str) -> None:
         self.attention = self.kernel = 0.0
         self.calls = 0
-        if row == "default" and not _cpu_mla_default():
+        if row == "default" and not cpu_mla_is_default():
             return  # AMX_MLA's prefill calls no prefill backend
         if row in ("default", "cpu_mla"):
             from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
@@ -71,7 +71,9 @@ class Timers:
         return got
 
 
-def _cpu_mla_default() -> bool:
+def cpu_mla_is_default() -> bool:
+    """Whether vLLM's CPU platform picks CPU_MLA here by default: the CPU has no AMX tiles (vLLM's
+    own test, `torch.cpu._is_amx_tile_supported`)."""
     import torch
 
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -101,7 +103,7 @@ def main(row: str, model: str, longest: str, cached: str) -> None:
     )
     if row != "default":
         kwargs["attention_config"] = {"backend": "CPU_MLA"}
-    keeps_prefixes = row == "default" and not _cpu_mla_default()  # AMX_MLA's cache
+    keeps_prefixes = row == "default" and not cpu_mla_is_default()  # AMX_MLA's cache
     stored = tempfile.TemporaryDirectory(prefix="zen-mla-prefixes-")  # gone with this process
     if cached != "0" and not keeps_prefixes:
         kwargs["kv_transfer_config"] = KVTransferConfig(

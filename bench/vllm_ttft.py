@@ -41,6 +41,7 @@ from typing import Any
 
 import _common as c
 from _server import ROOT, start_server
+from _ttft_engine import cpu_mla_is_default
 
 ROWS = ("default", "cpu_mla", "local", "service", "service_own")
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -49,8 +50,8 @@ ENGINE = "import sys, _ttft_engine; _ttft_engine.main(*sys.argv[1:])"
 
 
 def ensure_venv() -> None:
-    if not VENV_PYTHON.exists():
-        subprocess.run(["bash", str(ROOT / "scripts" / "vllm-venv")], check=True, cwd=ROOT)
+    """.venv-vllm, made or brought up to date by scripts/vllm-venv (a moment when it is)."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "vllm-venv")], check=True, cwd=ROOT)
 
 
 class Row:
@@ -331,7 +332,7 @@ def main() -> None:
     servers = []
     try:
         for row in args.rows:
-            if row == "cpu_mla" and _cpu_mla_default_here() and "default" in args.rows:
+            if row == "cpu_mla" and cpu_mla_is_default() and "default" in args.rows:
                 continue  # the default row is CPU_MLA with its own prefill already
             env, cpus = {}, everything
             if row == "local":
@@ -357,12 +358,6 @@ def main() -> None:
     out = {"host": host, "heads": args.heads, "layers": args.layers, "lines": lines, "raw": results}
     (c.OUT_DIR / "vllm_ttft.json").write_text(json.dumps(out, indent=1))
     plot(lines, c.OUT_DIR / "vllm_ttft.png", host)
-
-
-def _cpu_mla_default_here() -> bool:
-    """Whether vLLM's default here is CPU_MLA (no AMX): read from /proc/cpuinfo, torch's probe
-    being the engine's (this process may lack vLLM's torch)."""
-    return "amx_bf16" not in Path("/proc/cpuinfo").read_text()
 
 
 if __name__ == "__main__":

@@ -15,16 +15,7 @@ import torch
 from ..client import PrefillClient
 from ..errors import InvalidInputError
 from ..wire import PrefillOptions
-from .context import (
-    ContextKV,
-    Prefiller,
-    call,
-    check_out,
-    inline,
-    lse_of,
-    pool,
-    prefill_with_context,
-)
+from .context import ContextKV, call, check_out, lse_of, prefill_with_context
 from .link import ServiceLink
 from .local import LocalPrefiller
 from .settings import LocalSettings, Settings, default_settings, service_ready
@@ -81,7 +72,7 @@ class RemotePrefillBackend:
         self.v_head_dim = v_head_dim
         self.vllm_config = vllm_config
         self.settings = settings if settings is not None else default_settings()
-        self.link: Prefiller = (
+        self.link: LocalPrefiller | ServiceLink = (
             LocalPrefiller(self.settings)
             if isinstance(self.settings, LocalSettings)
             else ServiceLink.of(self.settings)
@@ -229,7 +220,6 @@ class RemotePrefillBackend:
         one `run_prefill_context_chunk` per chunk). See `prefill_with_context`: the pieces go to
         the service at once, or are computed here one after another (each on all of this
         thread's cores)."""
-        settings = self.settings
         return prefill_with_context(
             self.link,
             q,
@@ -240,9 +230,7 @@ class RemotePrefillBackend:
             scale=self.scale,
             return_lse=return_softmax_lse,
             out=out,
-            executor=(
-                inline() if isinstance(settings, LocalSettings) else pool(settings.max_concurrency)
-            ),
+            executor=self.link.executor(),
         )
 
 

@@ -21,16 +21,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Any, ClassVar
 
 import httpx
 import torch
 
 from ..client import PrefillClient
-from ..copying import copy_into
 from ..errors import InvalidInputError, QueueFullError, RequestRejectedError, ZenMLAError
 from ..wire import PrefillOptions
-from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, call
+from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, call, pool
 from .local import compute_here
 from .settings import RemoteSettings, healthy
 from .stats import stats
@@ -115,12 +115,12 @@ class ServiceLink(CheckedPrefiller):
         with self._lock:
             self._local_calls += 1
         stats.add(local=1)
-        local = compute_here(tensors, opts)
-        if out is None:
-            return local
-        if isinstance(local, tuple):
-            return copy_into(out, local[0]), local[1]
-        return copy_into(out, local)
+        return compute_here(tensors, opts, out=out)
+
+    def executor(self) -> Executor:
+        """What runs a step's pieces: this settings' pool of threads, the pieces in flight to
+        the service at once."""
+        return pool(self.settings.max_concurrency)
 
     def _client_if_up(self) -> PrefillClient | None:
         with self._lock:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Executor
 from typing import Any
+
+import torch
 
 from ..attention.select import host_status, kernel_choice
 from ..copying import copy_into
 from ..wire import PrefillOptions
-from .context import CheckedPrefiller, PrefillOutput, RaggedTensors
+from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, inline
 from .settings import LocalSettings
 from .stats import stats
 
@@ -25,25 +28,31 @@ logger = logging.getLogger("zen_mla.vllm")
 
 
 def compute_here(
-    tensors: RaggedTensors, options: PrefillOptions, kernel: str = "auto"
+    tensors: RaggedTensors,
+    options: PrefillOptions,
+    kernel: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> PrefillOutput:
     """One call computed in this process with `zen_mla.ragged_attention` (on the CPU: tensors on
-    another device go there and come back). The caller's torch threads run it: in vLLM's worker,
-    the cores vLLM bound it to."""
+    another device go there and come back), its out copied into `out` where one is given. The
+    caller's torch threads run it: in vLLM's worker, the cores vLLM bound it to."""
     from .. import ragged_attention  # torch's kernels load on first use
 
     device = tensors[0].device
     qc, kc, vc, q_cu, kv_cu = (t.cpu() if t is not None else None for t in tensors)
     assert qc is not None and kc is not None and vc is not None and q_cu is not None
     causal, scale = options.causal, options.scale
+    lse: torch.Tensor | None = None
     if options.return_lse:
-        out, lse = ragged_attention(
+        result, lse = ragged_attention(
             qc, kc, vc, q_cu, kv_cu, causal=causal, return_lse=True, scale=scale, kernel=kernel
         )
-        return out.to(device), lse.to(device)
-    return ragged_attention(qc, kc, vc, q_cu, kv_cu, causal=causal, scale=scale, kernel=kernel).to(
-        device
-    )
+    else:
+        result = ragged_attention(
+            qc, kc, vc, q_cu, kv_cu, causal=causal, scale=scale, kernel=kernel
+        )
+    result = result.to(device) if out is None else copy_into(out, result)
+    return result if lse is None else (result, lse.to(device))
 
 
 def describe_kernel(kernel: str) -> str:
@@ -66,7 +75,7 @@ class LocalPrefiller(CheckedPrefiller):
     def __init__(self, settings: LocalSettings) -> None:
         self.settings = settings
 
-    def prefill(self, *args: Any, out: Any = None, **options: Any) -> PrefillOutput:
+    def prefill(self, *args: Any, out: torch.Tensor | None = None, **options: Any) -> PrefillOutput:
         """As `PrefillClient.prefill` (q, k, v, q_cu_seq_lens[, kv_cu_seq_lens], causal,
         return_lse, scale, and `out` to write into), computed here."""
         if not self._told.is_set():
@@ -76,10 +85,11 @@ class LocalPrefiller(CheckedPrefiller):
                 describe_kernel(self.settings.kernel),
             )
         tensors: RaggedTensors = (*args, None)[:5]
-        got = compute_here(tensors, PrefillOptions(**options), self.settings.kernel)
+        got = compute_here(tensors, PrefillOptions(**options), self.settings.kernel, out)
         stats.add(local=1)
-        if out is None:
-            return got
-        if isinstance(got, tuple):
-            return copy_into(out, got[0]), got[1]
-        return copy_into(out, got)
+        return got
+
+    def executor(self) -> Executor:
+        """What runs a step's pieces: the caller's thread, one after another (each piece takes
+        all its cores)."""
+        return inline()
