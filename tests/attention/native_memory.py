@@ -87,6 +87,8 @@ def peak(case: str) -> dict[str, int]:
         "workspace_bytes": NativeKernel.workspace_bytes(
             batch, return_lse=True, threads=torch.get_num_threads()
         ),
+        # the same without the threads' tiles, which the warm-up's call left them to keep
+        "untiled_bytes": NativeKernel.workspace_bytes(batch, return_lse=True, threads=0),
         "input_bytes": sum(t.numel() * t.element_size() for t in (batch.q, batch.k, batch.v)),
     }
 

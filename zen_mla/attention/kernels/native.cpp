@@ -7,8 +7,10 @@
 //
 //   1. pack: every (head, key block of bn tokens) of K and V into the VNNI layout the bf16
 //      brgemm micro-kernels read ([Dqk' / 2][width][2] for K^T, [width / 2][Dv'][2] for V, the
-//      head dims rounded up as below, zeros in the padding), all threads; a group of heads at a
-//      time where all of them would pass the call's packing budget;
+//      head dims rounded up as below, zeros in the padding), all threads, slices of 64 keys
+//      for all heads at a time; a group of heads at a time where all of them would pass the
+//      call's packing budget. A sequence of one block of queries is not packed here: its items
+//      pack each key block into their own tiles as they reach it (`Seq::packs_own`);
 //   2. attend: the work items (sequence, head, block of bm queries) go to the threads largest
 //      first through one atomic counter (a causal block's cost is its visible keys); a thread
 //      copies the item's queries into its own tile, then runs, per key block, S = Q K^T
@@ -28,8 +30,10 @@
 //         width, ldc = bn;
 //   Dv    (N of P V) rounded up to 64 and taken up to 256 columns at a time (64, 128, 192
 //         or 256); ldb = ldc = those columns, lda = bn, K = the N of its Q K^T.
-// With bm = 128, bn = 256: 4 x 5 x 5 = 100 shapes of Q K^T and 4 x 4 x 4 = 64 of P V, at most
-// 164 kernels a thread (~7 MiB) for the life of the process.
+// With bm = 128, bn = 256 (Zen): 4 x 5 x 5 = 100 shapes of Q K^T and 4 x 4 x 4 = 64 of P V, at
+// most 164 kernels a thread (~7 MiB) for the life of the process; with bm = 256, bn = 512
+// (AMX): 5 x 6 x 5 + 5 x 4 x 5 = 250 (~11 MiB). The blocks are the caller's (`blocks()` in
+// native.py), per CPU.
 //
 // The brgemm calls reach oneDNN's AVX-512 BF16 micro-kernels on Zen 4 / Zen 5 and its AMX
 // ones on Intel hosts that have AMX. The vector code is compiled for AVX-512 BF16 through
@@ -43,8 +47,12 @@
 
 #include <immintrin.h>
 
+#include <x86intrin.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -115,19 +123,18 @@ class PackBuffer {
   static inline size_t kept_bytes_ = 0;
 };
 
-// 2^x for x <= 0, x >= -126 after the clamp; relative error ~2e-7 (degree-6 Taylor on
-// [-0.5, 0.5] about 0, the exponent by scalef).
+// 2^x for finite x <= 0: the exponent by scalef (0 where it underflows), 2^f on [-0.5, 0.5]
+// by a degree-4 polynomial fitted for relative error, 2.6e-6 at most (a tenth of bf16's
+// rounding of P; the LSE's error from it is 2.6e-6 at most). Four FMAs where Taylor's degree 6
+// took six, and no clamp: the softmax is the part of a key block the AMX tiles wait for.
 ZEN_MLA_AVX512 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.570102207362652e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786280274391e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -138,6 +145,9 @@ inline __mmask16 tail_mask(int64_t n) {
 // The widest a brgemm call takes of Dqk (its K in S = Q K^T) and of Dv (its N in acc += P V);
 // wider head dims are taken in chunks of it.
 constexpr int64_t kChunk = 256;
+
+// Keys of one packing item (a multiple of 32: the narrowest block)
+constexpr int64_t kPackSlice = 64;
 
 constexpr int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step * step; }
 
@@ -158,16 +168,42 @@ constexpr int64_t qk_depth(int64_t dqk) {
 // Dv's packed columns: rounded up to 64, chunks of 256 (the last 64, 128, 192 or 256).
 constexpr int64_t v_columns(int64_t dv) { return round_up(dv, 64); }
 
+// Where a call's time goes, in TSC ticks summed over its threads (`attend`'s `parts`): the
+// packing of K and V, each item's queries into its tile, the Q K^T tiles, the online softmax,
+// the P V tiles, and out and lse written. A few reads of the TSC per key block: ~0.1 % of it.
+enum Part { kPack, kQueries, kScores, kSoftmax, kValues, kStore, kParts };
+using Ticks = std::array<uint64_t, kParts>;
+
+// Adds the ticks since the last mark to a part.
+class Clock {
+ public:
+  explicit Clock(Ticks& ticks) : ticks_(ticks), last_(__rdtsc()) {}
+  void mark(Part part) {
+    const uint64_t now = __rdtsc();
+    ticks_[part] += now - last_;
+    last_ = now;
+  }
+
+ private:
+  Ticks& ticks_;
+  uint64_t last_;
+};
+
 // One sequence of the batch.
 struct Seq {
   int64_t q0, kv0, sq, sk;
-  int64_t first_block;  // its first key block in the packed buffers
+  int64_t first_block;  // its first key block in the call's list of them
+  // one block of queries (sq <= bm): each of its key blocks is read by one work item a head,
+  // which packs it into its own tiles right before (in L2 when multiplied) rather than into
+  // the call's packed buffers ahead (written to memory and read back: a third of `chunk`'s
+  // time, 256 queries over 2048 keys, on a Xeon with AMX)
+  bool packs_own;
 };
 
 // One key block: which sequence, which tokens (`nn` of them from `n0`), its packed width
 // (bn, or a last block's `nn` rounded up to a power of two from 32: AMX's bf16 tiles take keys
 // 32 deep, and a block's width is the ldb of its brgemm calls) and where its columns start
-// among all the blocks' (`col`).
+// among the packed blocks' (`col`; -1 where its sequence packs its own: `Seq::packs_own`).
 struct KeyBlock {
   int64_t seq, n0, nn, width, col;
 };
@@ -223,16 +259,17 @@ inline __mmask32 lanes32(int64_t n) {
   return n >= 32 ? ~__mmask32(0) : n <= 0 ? __mmask32(0) : __mmask32((1u << n) - 1u);
 }
 
-// K^T of one (head, key block) in VNNI: dst[(d / 2) * width * 2 + n * 2 + d % 2] =
-// K[n0 + n][d], zero for d >= Dqk (to kq) and n >= nn (to the width). A transpose of 32-bit
-// words (pairs of d), 16 x 16 at a time, the loads masked past Dqk; the words past the last 16
-// that hold any of K zeroed a row at a time.
+// K^T of one (head, key block) in VNNI, its columns [lo, hi) (multiples of 32): dst[(d / 2) *
+// width * 2 + n * 2 + d % 2] = K[n0 + n][d], zero for d >= Dqk (to kq) and n >= nn (to the
+// width). A transpose of 32-bit words (pairs of d), 16 x 16 at a time, the loads masked past
+// Dqk; the words past the last 16 that hold any of K zeroed a row at a time.
 ZEN_MLA_AVX512 void pack_k(
-    const Problem& p, const Seq& s, const KeyBlock& b, int64_t head, bf16* dst) {
+    const Problem& p, const Seq& s, const KeyBlock& b, int64_t head, int64_t lo, int64_t hi,
+    bf16* dst) {
   const int64_t bn = b.width, filled = round_up((p.dqk + 1) / 2, 16);  // <= kq / 2
   auto* out = reinterpret_cast<uint32_t*>(dst);
   auto row = [&](int64_t n) { return p.k + (s.kv0 + b.n0 + n) * p.k_s0 + head * p.k_s1; };
-  for (int64_t n0 = 0; n0 < bn; n0 += 16) {
+  for (int64_t n0 = lo; n0 < hi; n0 += 16) {
     const int64_t live = std::clamp<int64_t>(b.nn - n0, 0, 16);
     for (int64_t i0 = 0; i0 < filled; i0 += 16) {
       const __mmask32 k = lanes32(p.dqk - 2 * i0);
@@ -244,29 +281,32 @@ ZEN_MLA_AVX512 void pack_k(
       for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(out + (i0 + j) * bn + n0, r[j]);
     }
   }
-  std::memset(out + filled * bn, 0, (p.kq / 2 - filled) * bn * sizeof(uint32_t));
+  for (int64_t i = filled; i < p.kq / 2; ++i)
+    std::memset(out + i * bn + lo, 0, (hi - lo) * sizeof(uint32_t));
 }
 
-// V of one (head, key block) in VNNI, in chunks of up to 256 columns one after the other:
-// chunk c holds dst[c * 256 * width + (n / 2) * cols * 2 + d * 2 + n % 2] = V[n0 + n][256 c + d]
-// (`cols` its columns), zero for rows n >= nn (to the width) and columns past Dv. Pairs of rows
-// interleaved 32 values at a time, the loads masked past Dv.
+// V of one (head, key block) in VNNI, its rows [lo, hi) (multiples of 32), in chunks of up to
+// 256 columns one after the other: chunk c holds dst[c * 256 * width + (n / 2) * cols * 2 +
+// d * 2 + n % 2] = V[n0 + n][256 c + d] (`cols` its columns), zero for rows n >= nn (to the
+// width) and columns past Dv. Pairs of rows interleaved 32 values at a time, the loads masked
+// past Dv.
 ZEN_MLA_AVX512 void pack_v(
-    const Problem& p, const Seq& s, const KeyBlock& b, int64_t head, bf16* dst) {
-  alignas(64) static constexpr uint16_t lo[32] = {
+    const Problem& p, const Seq& s, const KeyBlock& b, int64_t head, int64_t lo, int64_t hi,
+    bf16* dst) {
+  alignas(64) static constexpr uint16_t low[32] = {
       0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t hi[32] = {
+  alignas(64) static constexpr uint16_t high[32] = {
       16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
+  const __m512i idx_lo = _mm512_load_si512(low), idx_hi = _mm512_load_si512(high);
   auto row = [&](int64_t n) {
     return n < b.nn ? p.v + (s.kv0 + b.n0 + n) * p.v_s0 + head * p.v_s1 : nullptr;
   };
   for (int64_t c0 = 0; c0 < p.nv; c0 += kChunk) {
     const int64_t cols = std::min(kChunk, p.nv - c0);  // a multiple of 64
     bf16* chunk = dst + c0 * b.width;
-    for (int64_t n = 0; n < b.width; n += 2) {
+    for (int64_t n = lo; n < hi; n += 2) {
       bf16* pair = chunk + n * cols;
       const bf16* a = row(n);
       const bf16* c = row(n + 1);
@@ -281,55 +321,98 @@ ZEN_MLA_AVX512 void pack_v(
   }
 }
 
-// Per-thread scratch: the query tile, scores, probabilities, accumulator, running max and sum.
+// Per-thread scratch: the query tile, scores, probabilities, accumulator, running max and sum,
+// and one packed K and V block (`Seq::packs_own`).
 // The query tile holds chunk c of Dqk at c * bm * 256 as [bm][its columns]; the accumulator
-// chunk c of Dv the same way.
+// chunk c of Dv the same way. Rows past an item's own (to M's bucket) are multiplied and never
+// read. One buffer a thread is kept from call to call, up to kKeepScratch bytes (MLA's: ~0.45
+// MiB at 128 x 256 blocks, ~1.3 MiB at 256 x 512), and grown where a call needs more: a fresh
+// one per call cost its page faults, and with head dims changing from call to call its many
+// sizes grew the allocator's arenas (measured on a Xeon with AMX: +119 MiB over 4000 calls of
+// distinct head dims, against +41 MiB with 128 x 256 blocks).
+constexpr size_t kKeepScratch = size_t(8) << 20;
+
 struct Scratch {
-  std::unique_ptr<bf16[], AlignedFree> qt;
-  std::unique_ptr<float[], AlignedFree> s, acc, m, l;
-  std::unique_ptr<bf16[], AlignedFree> prob;
-  Scratch(int64_t bm, int64_t bn, int64_t kq, int64_t nv)
-      : qt(aligned<bf16>(bm * kq)),
-        s(aligned<float>(bm * bn)),
-        acc(aligned<float>(bm * nv)),
-        m(aligned<float>(bm)),
-        l(aligned<float>(bm)),
-        prob(aligned<bf16>(bm * bn)) {
-    // rows past an item's own (to M's bucket) are multiplied and never read: keep them finite
-    std::memset(qt.get(), 0, bm * kq * sizeof(bf16));
-    std::memset(prob.get(), 0, bm * bn * sizeof(bf16));
+  bf16* qt;
+  float *s, *acc, *m, *l;
+  bf16 *prob, *kblock, *vblock;
+  std::unique_ptr<char[], AlignedFree> own;  // a call's own, past kKeepScratch
+
+  Scratch(int64_t bm, int64_t bn, int64_t kq, int64_t nv) {
+    thread_local std::unique_ptr<char[], AlignedFree> kept;
+    thread_local size_t kept_bytes = 0;
+    const size_t sizes[8] = {
+        size_t(bm * kq) * sizeof(bf16), size_t(bm * bn) * sizeof(float),
+        size_t(bm * nv) * sizeof(float), size_t(bm) * sizeof(float), size_t(bm) * sizeof(float),
+        size_t(bm * bn) * sizeof(bf16), size_t(bn * kq) * sizeof(bf16),
+        size_t(bn * nv) * sizeof(bf16)};
+    size_t total = 0;
+    for (size_t n : sizes) total += (n + 63) / 64 * 64;
+    char* base = kept.get();
+    if (total > kept_bytes) {
+      void* fresh = std::aligned_alloc(64, total);
+      TORCH_CHECK(fresh != nullptr, "zen_mla native: out of memory for ", total, " bytes");
+      std::memset(fresh, 0, total);  // finite from the start, whatever rows a call leaves
+      base = static_cast<char*>(fresh);
+      if (total <= kKeepScratch) {
+        kept.reset(base);
+        kept_bytes = total;
+      } else {
+        own.reset(base);
+      }
+    }
+    char* at = base;
+    auto take = [&](size_t n) {
+      char* here = at;
+      at += (n + 63) / 64 * 64;
+      return here;
+    };
+    qt = reinterpret_cast<bf16*>(take(sizes[0]));
+    s = reinterpret_cast<float*>(take(sizes[1]));
+    acc = reinterpret_cast<float*>(take(sizes[2]));
+    m = reinterpret_cast<float*>(take(sizes[3]));
+    l = reinterpret_cast<float*>(take(sizes[4]));
+    prob = reinterpret_cast<bf16*>(take(sizes[5]));
+    kblock = reinterpret_cast<bf16*>(take(sizes[6]));
+    vblock = reinterpret_cast<bf16*>(take(sizes[7]));
   }
 };
 
 // The online-softmax step of one query row over one key block: `vis` of the block's columns
 // are visible. Updates m (base 2, scaled) and l, writes the row of P (bf16, zero past `vis` up
-// to `width`) and returns the factor the row of acc is to be scaled by.
+// to `width`, a multiple of 32) and returns the factor the row of acc is to be scaled by. The
+// visible columns' whole 16s go without masks; one masked 16 at most.
 ZEN_MLA_AVX512 float softmax_row(
-    const Problem& p, float* srow, bf16* prow, float& m, float& l, int64_t vis, int64_t width) {
+    const Problem& p, const float* srow, bf16* prow, float& m, float& l, int64_t vis,
+    int64_t width) {
   if (vis <= 0) {
     std::memset(prow, 0, width * sizeof(bf16));
     return 1.f;
   }
-  const __m512 sl = _mm512_set1_ps(p.scale_log2);
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int64_t j = 0; j < vis; j += 16) {
-    __mmask16 k = tail_mask(vis - j);
-    __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), k, srow + j);
-    vmax = _mm512_max_ps(vmax, x);
-  }
+  const int64_t whole = vis & ~int64_t(15);
+  const __mmask16 tail = tail_mask(vis - whole);
+  const __m512 sl = _mm512_set1_ps(p.scale_log2), ninf = _mm512_set1_ps(kNegInf);
+  __m512 vmax = ninf;
+  for (int64_t j = 0; j < whole; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
+  if (whole < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail, srow + whole));
   const float m_new = std::max(m, _mm512_reduce_max_ps(vmax) * p.scale_log2);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 16) {
-    const int64_t left = width - j;
-    __mmask16 store = tail_mask(left);
-    __mmask16 live = tail_mask(std::max<int64_t>(0, std::min<int64_t>(vis - j, 16)));
-    __m512 x = _mm512_maskz_loadu_ps(live, srow + j);
-    __m512 e = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_fmsub_ps(x, sl, vm)));
+  int64_t j = 0;
+  for (; j < whole; j += 16) {
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), sl, vm));
     vsum = _mm512_add_ps(vsum, e);
-    __m256bh h = _mm512_cvtneps_pbh(e);
-    _mm256_mask_storeu_epi16(prow + j, store, (__m256i)h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
+  if (j < vis) {
+    const __m512 x = _mm512_maskz_loadu_ps(tail, srow + j);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_fmsub_ps(x, sl, vm)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+    j += 16;
+  }
+  for (; j < width; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
   const float alpha = m == kNegInf ? 0.f : std::exp2(m - m_new);
   l = l * alpha + _mm512_reduce_add_ps(vsum);
   m = m_new;
@@ -388,14 +471,16 @@ ZEN_MLA_AVX512 void load_queries(
 
 ZEN_MLA_AVX512 void attend_item(
     const Problem& p, const Seq& s, const Unit& u, int64_t head, const KeyBlock* blocks,
-    const bf16* packed_k, const bf16* packed_v, Scratch& w) {
+    const bf16* packed_k, const bf16* packed_v, Scratch& w, Ticks& ticks) {
+  Clock clock(ticks);
   const int64_t bm = p.bm, bn = p.bn, rows = u.rows;
   const int64_t mb = rows == bm ? bm : pow2_bucket(rows, 16, bm);  // M of every call
-  load_queries(p, s, u, head, w.qt.get());
-  std::fill(w.m.get(), w.m.get() + rows, kNegInf);
-  std::fill(w.l.get(), w.l.get() + rows, 0.f);
+  load_queries(p, s, u, head, w.qt);
+  std::fill(w.m, w.m + rows, kNegInf);
+  std::fill(w.l, w.l + rows, 0.f);
   for (int64_t c0 = 0; c0 < p.nv; c0 += kChunk)
-    std::memset(w.acc.get() + c0 * bm, 0, rows * std::min(kChunk, p.nv - c0) * sizeof(float));
+    std::memset(w.acc + c0 * bm, 0, rows * std::min(kChunk, p.nv - c0) * sizeof(float));
+  clock.mark(kQueries);
   const int64_t shift = s.sk - s.sq;  // query i sees keys j <= i + shift (causal)
   const int64_t nb = (u.kend + bn - 1) / bn;
   for (int64_t b = 0; b < nb; ++b) {
@@ -406,31 +491,42 @@ ZEN_MLA_AVX512 void attend_item(
     // diagonal, and masked)
     const int64_t half = bn / 2;
     const int64_t width = kb.width == bn && half % 32 == 0 && nn <= half ? half : kb.width;
-    const bf16* kp = packed_k + kb.col * p.kq;
-    const bf16* vp = packed_v + kb.col * p.nv;
+    const bf16* kp = w.kblock;
+    const bf16* vp = w.vblock;
+    if (s.packs_own) {
+      pack_k(p, s, kb, head, 0, kb.width, w.kblock);
+      pack_v(p, s, kb, head, 0, kb.width, w.vblock);
+      clock.mark(kPack);
+    } else {
+      kp = packed_k + kb.col * p.kq;
+      vp = packed_v + kb.col * p.nv;
+    }
     for (int64_t c0 = 0; c0 < p.kq; c0 += kChunk) {
       const int64_t depth = std::min(kChunk, p.kq - c0);
       at::native::cpublas::brgemm(
-          mb, width, depth, depth, kb.width, bn, c0 > 0, w.qt.get() + c0 * bm,
-          kp + c0 * kb.width, w.s.get(), true);
+          mb, width, depth, depth, kb.width, bn, c0 > 0, w.qt + c0 * bm,
+          kp + c0 * kb.width, w.s, true);
     }
+    clock.mark(kScores);
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t vis = p.causal ? std::min(nn, u.r0 + i + shift - n0 + 1) : nn;
       const float alpha =
-          softmax_row(p, w.s.get() + i * bn, w.prob.get() + i * bn, w.m[i], w.l[i], vis, width);
+          softmax_row(p, w.s + i * bn, w.prob + i * bn, w.m[i], w.l[i], vis, width);
       if (alpha != 1.f) {
         for (int64_t c0 = 0; c0 < p.nv; c0 += kChunk) {
           const int64_t cols = std::min(kChunk, p.nv - c0);
-          scale_row(w.acc.get() + c0 * bm + i * cols, std::min(cols, p.dv - c0), alpha);
+          scale_row(w.acc + c0 * bm + i * cols, std::min(cols, p.dv - c0), alpha);
         }
       }
     }
+    clock.mark(kSoftmax);
     for (int64_t c0 = 0; c0 < p.nv; c0 += kChunk) {
       const int64_t cols = std::min(kChunk, p.nv - c0);
       at::native::cpublas::brgemm(
-          mb, cols, width, bn, cols, cols, true, w.prob.get(), vp + c0 * kb.width,
-          w.acc.get() + c0 * bm, true);
+          mb, cols, width, bn, cols, cols, true, w.prob, vp + c0 * kb.width,
+          w.acc + c0 * bm, true);
     }
+    clock.mark(kValues);
   }
   // out = acc / l and lse = (m + log2 l) ln 2; rows that saw no key: out 0, lse -inf
   for (int64_t i = 0; i < rows; ++i) {
@@ -441,12 +537,13 @@ ZEN_MLA_AVX512 void attend_item(
     for (int64_t c0 = 0; c0 < p.nv && c0 < p.dv; c0 += kChunk) {
       const int64_t cols = std::min(kChunk, p.nv - c0);
       store_row(
-          w.acc.get() + c0 * bm + i * cols, std::min(cols, p.dv - c0), inv, orow + c0 * p.o_s2,
+          w.acc + c0 * bm + i * cols, std::min(cols, p.dv - c0), inv, orow + c0 * p.o_s2,
           p.o_s2);
     }
     if (p.lse)
       p.lse[head * p.l_s0 + t * p.l_s1] = blind ? kNegInf : (w.m[i] + std::log2(w.l[i])) * kLn2;
   }
+  clock.mark(kStore);
 }
 
 void check(const at::Tensor& t, const char* name, int64_t dim, bool unit_stride = true) {
@@ -477,8 +574,11 @@ bool cpu_supported() {
 void attend(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_cu,
     const at::Tensor& kv_cu, double scale, bool causal, at::Tensor& out,
-    const c10::optional<at::Tensor>& lse, int64_t bm, int64_t bn, int64_t max_pack_bytes) {
+    const c10::optional<at::Tensor>& lse, int64_t bm, int64_t bn, int64_t max_pack_bytes,
+    const c10::optional<at::Tensor>& parts) {
   TORCH_CHECK(cpu_supported(), "zen_mla native: this CPU lacks AVX-512 BF16");
+  const auto wall0 = std::chrono::steady_clock::now();
+  const uint64_t tsc0 = __rdtsc();
   RECORD_FUNCTION("zen_mla::native_attend", std::vector<c10::IValue>());  // for torch.profiler
   const int64_t heads = q.size(1), dqk = q.size(2), dv = v.size(2);
   check(q, "q", dqk);
@@ -503,6 +603,14 @@ void attend(
     lse_ptr = lse->data_ptr<float>();
     l_s0 = lse->stride(0);
     l_s1 = lse->stride(1);
+  }
+  double* parts_ptr = nullptr;
+  if (parts.has_value() && parts->defined()) {
+    TORCH_CHECK(
+        parts->device().is_cpu() && parts->scalar_type() == at::kDouble &&
+            parts->is_contiguous() && parts->numel() == kParts + 2,
+        "zen_mla native: parts must be a contiguous float64 tensor of ", kParts + 2);
+    parts_ptr = parts->data_ptr<double>();
   }
   if (heads == 0) return;
   const int64_t kq = qk_depth(dqk), nv = v_columns(dv);
@@ -534,12 +642,13 @@ void attend(
   units.reserve(nunits);
   int64_t columns = 0;  // packed key columns of one head: the blocks' widths summed
   for (int64_t i = 0; i < nseq; ++i) {
-    Seq s{qc[i], kc[i], qc[i + 1] - qc[i], kc[i + 1] - kc[i], int64_t(blocks.size())};
+    const int64_t sq = qc[i + 1] - qc[i];
+    Seq s{qc[i], kc[i], sq, kc[i + 1] - kc[i], int64_t(blocks.size()), sq <= bm};
     seqs.push_back(s);
     for (int64_t n0 = 0; n0 < s.sk; n0 += bn) {
       const int64_t nn = std::min(bn, s.sk - n0), width = pow2_bucket(nn, 32, bn);
-      blocks.push_back({i, n0, nn, width, columns});
-      columns += width;
+      blocks.push_back({i, n0, nn, width, s.packs_own ? -1 : columns});
+      if (!s.packs_own) columns += width;
     }
     for (int64_t r0 = 0; r0 < s.sq; r0 += bm) {
       const int64_t rows = std::min(bm, s.sq - r0);
@@ -572,16 +681,37 @@ void attend(
   PackBuffer packed(size_t(group * head_bytes));
   bf16* const packed_k = reinterpret_cast<bf16*>(packed.get());
   bf16* const packed_v = reinterpret_cast<bf16*>(packed.get() + k_bytes);
+  // the packing's items: slices of kPackSlice keys of a block, each for every head of a group,
+  // so that the slice's rows of k and v (all heads of its tokens: 640 KiB at MLA's 16 heads)
+  // are read from memory once and from L2 by the other heads (a block at a time for one head,
+  // then the next, read them from memory again: 36 % of `chunk`'s time on a Xeon with AMX)
+  std::vector<std::pair<int64_t, int64_t>> slices;
+  for (int64_t b = 0; b < nblocks; ++b)
+    if (blocks[b].col >= 0)
+      for (int64_t lo = 0; lo < blocks[b].width; lo += kPackSlice) slices.emplace_back(b, lo);
   const int64_t nu = int64_t(units.size());
+  std::mutex ticks_mutex;
+  Ticks ticks{};
+  auto add = [&](const Ticks& mine) {
+    std::lock_guard<std::mutex> lock(ticks_mutex);
+    for (int i = 0; i < kParts; ++i) ticks[i] += mine[i];
+  };
+  int64_t used_threads = 1;
   for (int64_t h0 = 0; h0 < heads; h0 += group) {
     const int64_t hg = std::min(group, heads - h0);
-    at::parallel_for(0, hg * nblocks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, int64_t(slices.size()), 1, [&](int64_t begin, int64_t end) {
+      Ticks mine{};
+      Clock clock(mine);
       for (int64_t x = begin; x < end; ++x) {
-        const int64_t h = x / nblocks, b = x % nblocks;
-        const KeyBlock& kb = blocks[b];
-        pack_k(p, seqs[kb.seq], kb, h0 + h, packed_k + (h * columns + kb.col) * kq);
-        pack_v(p, seqs[kb.seq], kb, h0 + h, packed_v + (h * columns + kb.col) * nv);
+        const KeyBlock& kb = blocks[slices[x].first];
+        const int64_t lo = slices[x].second, hi = std::min(lo + kPackSlice, kb.width);
+        for (int64_t h = 0; h < hg; ++h) {
+          pack_k(p, seqs[kb.seq], kb, h0 + h, lo, hi, packed_k + (h * columns + kb.col) * kq);
+          pack_v(p, seqs[kb.seq], kb, h0 + h, lo, hi, packed_v + (h * columns + kb.col) * nv);
+        }
       }
+      clock.mark(kPack);
+      add(mine);
     });
     // item x: of the run of units unit x / hg is in, hg x run_len items, head by head: as
     // the work items of one cost go by (sequence, head, query block), one head's query blocks
@@ -589,7 +719,9 @@ void attend(
     std::atomic<int64_t> next{0};
     const int64_t nitems = nu * hg;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nitems));
+    used_threads = std::max(used_threads, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      Ticks mine{};
       Scratch w(bm, bn, kq, nv);
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t x = next.fetch_add(1); x < nitems; x = next.fetch_add(1)) {
@@ -598,11 +730,20 @@ void attend(
           const Unit& u = units[first.run0 + y % first.run_len];
           attend_item(
               p, seqs[u.seq], u, h0 + h, blocks.data(), packed_k + h * columns * kq,
-              packed_v + h * columns * nv, w);
+              packed_v + h * columns * nv, w, mine);
         }
       }
       at::native::cpublas::brgemm_release(true);
+      add(mine);
     });
+  }
+  if (parts_ptr) {
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+    const double per_tick = wall / double(std::max<uint64_t>(__rdtsc() - tsc0, 1));
+    for (int i = 0; i < kParts; ++i) parts_ptr[i] = double(ticks[i]) * per_tick;
+    parts_ptr[kParts] = wall;
+    parts_ptr[kParts + 1] = double(used_threads);
   }
 }
 
@@ -613,6 +754,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "attend", &attend, "ragged attention into out (and lse)", py::arg("q"), py::arg("k"),
       py::arg("v"), py::arg("q_cu_seq_lens"), py::arg("kv_cu_seq_lens"), py::arg("scale"),
       py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("bm") = 128,
-      py::arg("bn") = 256, py::arg("max_pack_bytes") = 0,
+      py::arg("bn") = 256, py::arg("max_pack_bytes") = 0, py::arg("parts") = py::none(),
       py::call_guard<py::gil_scoped_release>());
 }

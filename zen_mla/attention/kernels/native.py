@@ -13,29 +13,34 @@ from typing import ClassVar
 import torch
 
 from ..batch import SMALL_BATCH, RaggedBatch
-from ..host import HostFacts
+from ..host import HostFacts, cpu_facts
 from .base import AttentionKernel, KernelCall
 
 __all__ = [
-    "BLOCK_KEYS",
-    "BLOCK_QUERIES",
+    "AMX_BLOCKS",
     "EXTENSION",
     "PACK_FLOOR_BYTES",
+    "ZEN_BLOCKS",
     "NativeKernel",
+    "blocks",
     "native_module",
     "native_unavailable",
 ]
 
-#: queries of a work item (one sequence, one head): the rows of each brgemm call
-BLOCK_QUERIES = 128
-#: keys of a block: the columns of S = Q K^T and the depth of P V (a sequence's last block is
+#: (queries, keys) of a block: a work item's queries (the rows of each brgemm call) and a key
+#: block's keys (the columns of S = Q K^T and the depth of P V; a sequence's last block is
 #: packed a power of two from 32 wide, and a causal diagonal that shows no more than half a
-#: block multiplies that half: native.cpp keeps its brgemm shapes few). 128 x 256 keeps
-#: a thread's tiles (S, P, acc, a packed K and V block: ~420 KiB) in a Zen 4 / Zen 5 core's
-#: 1 MiB L2. Measured on a Zen 4 (2 threads, paired) against 32, 64, 192 and 256 x 256 and
-#: 64 and 128 x 128: 256 x 256 was 3 % faster on `long` and `chunk` but slower on `mixed`, and
-#: leaves 16 threads a quarter of the items on `chunk`; 64 x 256 was 5-8 % slower on all three
-BLOCK_KEYS = 256
+#: block multiplies that half: native.cpp keeps its brgemm shapes few). Without AMX (Zen 4 /
+#: Zen 5), 128 x 256 keeps a thread's tiles (S, P, acc, a packed K and V block: ~420 KiB) in a
+#: core's 1 MiB L2: measured on a Zen 4 (2 threads, paired) against 32, 64, 192 and 256 x 256
+#: and 64 and 128 x 128, 256 x 256 was 3 % faster on `long` and `chunk` but slower on `mixed`,
+#: and 64 x 256 5-8 % slower on all three.
+ZEN_BLOCKS = (128, 256)
+#: With AMX (Sapphire Rapids and later: 2 MiB of L2 a core), 256 x 512 (~1.1 MiB of tiles):
+#: measured on a Xeon with AMX (2 threads, paired, 9 reps) against 128 x 256: 0.89x the time on
+#: `long`, 0.97x `mixed`, 0.96x `short`, 0.94x `chunk` (256 x 256: 0.94 / 0.98 / 0.96 / 0.96;
+#: 512 x 256: 0.96 / 1.03 / 0.98 / 0.97).
+AMX_BLOCKS = (256, 512)
 #: the packed K and V of a call take at most twice the bytes of k and v, or this where that is
 #: less (a whole head where one takes more): past it, heads are packed and attended a group at
 #: a time. Padding makes a packed key of a tiny head cost many times its bytes (1 key of
@@ -68,6 +73,13 @@ def native_module() -> tuple[ModuleType | None, str]:
     if not module.cpu_supported():
         return None, "zen-mla's native kernel needs AVX-512 BF16, which this CPU lacks"
     return module, ""
+
+
+@functools.cache
+def blocks() -> tuple[int, int]:
+    """(queries, keys) of the kernel's blocks on this CPU: `AMX_BLOCKS` where it has AMX, else
+    `ZEN_BLOCKS`."""
+    return AMX_BLOCKS if cpu_facts().amx_bf16 else ZEN_BLOCKS
 
 
 def native_unavailable() -> str:
@@ -113,12 +125,14 @@ class NativeKernel(AttentionKernel):
     @classmethod
     def work(cls, batch: RaggedBatch) -> int:
         # Dqk is taken `_qk_depth` deep. Past the visible pairs, a row computes the packing of
-        # its sequence's last key block (under 256 keys) and, on a causal diagonal, the keys its
-        # block's last row sees (under 128 more); a sequence's last query block is rounded up
-        # to 16, 32, 64 or 128 rows (under 64 more), each seeing at most its sequence's keys.
+        # its sequence's last key block (under a block of keys) and, on a causal diagonal, the
+        # keys its block's last row sees (under a block of queries more); a sequence's last
+        # query block is rounded up to a power of two from 16 rows (under half a block more),
+        # each seeing at most its sequence's keys.
         tq, h, dqk = batch.q.shape
-        columns = _plan(batch)[0]
-        per_row = BLOCK_KEYS + (BLOCK_QUERIES if batch.causal else 0)
+        columns = _plan(batch)[0]  # packed ahead or by the items: the same work
+        bm, bn = blocks()
+        per_row = bn + (bm if batch.causal else 0)
         pairs = batch.work() // (h * dqk) if h * dqk else 0
         return h * _qk_depth(dqk) * (pairs + 63 * columns + tq * per_row)
 
@@ -146,8 +160,7 @@ class NativeKernel(AttentionKernel):
             batch.causal,
             dst,
             lse,
-            BLOCK_QUERIES,
-            BLOCK_KEYS,
+            *blocks(),
             _pack_budget(batch),
         )
         if dst is not out:
@@ -160,36 +173,46 @@ class NativeKernel(AttentionKernel):
         hand it; a device `out` costs one more host copy of its size). It counts:
 
         - the packed K and V, bf16: `ceil64(Dqk)` (past 256: a multiple of 256) plus
-          `ceil64(Dv)` columns for each packed key (a sequence's keys in blocks of 256, its
-          last block packed a power of two from 32 wide), for the heads of one group: all of
-          them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and v) holds, at
-          least one. The buffer is kept for the next call (up to 256 MiB), which allocates
-          none where the kept one is large enough: counted all the same;
-        - each of `threads` threads' tiles, ~0.3 MiB at MLA's head dims: its queries (bf16,
-          128 x the packed Dqk), scores (fp32, 128 x 256) and probabilities (bf16), the fp32
-          accumulator (128 x `ceil64(Dv)`), running max and sum;
-        - the plan: the sequences, key blocks and query blocks, and the two int64
-          cu_seq_lens tensors.
+          `ceil64(Dv)` columns for each key packed ahead (a sequence's keys in blocks of
+          `blocks()`, its last block packed a power of two from 32 wide; a sequence of one
+          block of queries packs its own as it goes, in its items' tiles), for the heads of one
+          group: all of them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and
+          v) holds, at least one. The buffer is kept for the next call (up to 256 MiB), which
+          allocates none where the kept one is large enough: counted all the same;
+        - each of `threads` threads' tiles, at MLA's head dims ~0.45 MiB (128 x 256 blocks) or
+          ~1.3 MiB (256 x 512): its queries (bf16, bm x the packed Dqk), scores (fp32, bm x bn)
+          and probabilities (bf16), the fp32 accumulator (bm x `ceil64(Dv)`), running max and
+          sum, and a packed K and V block (bn keys). Each thread keeps its tiles for the next
+          call (up to 8 MiB), which allocates none where they are large enough: counted all the
+          same;
+        - the plan: the sequences, key blocks, query blocks and packing slices, and the two
+          int64 cu_seq_lens tensors.
 
         Nothing is padded outside the kernel (q, k and v are read in place). Not counted, as
         no one call's: the oneDNN kernels ATen caches per thread for the life of the process
-        (at most 164 a thread, ~7 MiB, whatever the requests: native.cpp). `return_lse`
-        changes nothing: `lse` is the caller's.
+        (at most 164 a thread with 128 x 256 blocks, ~7 MiB; 250 with 256 x 512, ~11 MiB;
+        whatever the requests: native.cpp). `return_lse` changes nothing: `lse` is the
+        caller's.
         """
         heads, dqk, dv = batch.num_heads, batch.qk_head_dim, batch.v_head_dim
-        bm, bn = BLOCK_QUERIES, BLOCK_KEYS
+        bm, bn = blocks()
         kq, nv = _qk_depth(dqk), _round_up(dv, 64)
-        columns, blocks, units = _plan(batch)
-        head_bytes = columns * (kq + nv) * 2
+        _, ahead, key_blocks, units = _plan(batch)
+        head_bytes = ahead * (kq + nv) * 2
         group = heads if head_bytes == 0 else min(heads, max(1, _pack_budget(batch) // head_bytes))
         packed = _round_up(max(group * head_bytes, 1), 64)
         tiles = sum(
             _round_up(n, 64)
-            for n in (bm * kq * 2, bm * bn * 4, bm * nv * 4, bm * 4, bm * 4, bm * bn * 2)
+            for n in (
+                *(bm * kq * 2, bm * bn * 4, bm * nv * 4, bm * 4, bm * 4, bm * bn * 2),
+                *(bn * kq * 2, bn * nv * 2),
+            )
         )
         seqs = batch.num_requests
-        # native.cpp's Seq and KeyBlock: 5 int64 each, Unit 7; cu_seq_lens: B + 1 int64 each
-        plan = 40 * (seqs + blocks) + 56 * units + 2 * 8 * (seqs + 1)
+        # native.cpp's Seq: 6 words, KeyBlock 5, Unit 7, a packing slice 2 (one a block's 64
+        # packed keys); cu_seq_lens: B + 1 int64 each
+        slices = key_blocks + ahead // 64
+        plan = 48 * seqs + 40 * key_blocks + 56 * units + 16 * slices + 2 * 8 * (seqs + 1)
         return packed + tiles * threads + plan
 
 
@@ -208,32 +231,37 @@ def _pack_budget(batch: RaggedBatch) -> int:
     return max(PACK_FLOOR_BYTES, 2 * kv_bytes)
 
 
-def _plan(batch: RaggedBatch) -> tuple[int, int, int]:
-    """(packed key columns of one head, key blocks, query blocks) of a call, as native.cpp
-    plans it: keys in blocks of `BLOCK_KEYS`, a sequence's last block rounded up to a power of
-    two from 32; queries in blocks of `BLOCK_QUERIES`. In Python for a few sequences, else in
-    int64 tensor arithmetic."""
-    bm, bn = BLOCK_QUERIES, BLOCK_KEYS
+def _plan(batch: RaggedBatch) -> tuple[int, int, int, int]:
+    """(key columns of one head, of them those packed ahead, key blocks, query blocks) of a
+    call, as native.cpp plans it: keys in blocks of `blocks()`'s keys, a sequence's last block
+    rounded up to a power of two from 32; queries in blocks of its queries; a sequence of one
+    block of queries packs its key blocks as its items reach them, not ahead. In Python for a
+    few sequences, else in int64 tensor arithmetic."""
+    bm, bn = blocks()
     qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
     if len(kc) <= SMALL_BATCH:
         sks = [b - a for a, b in itertools.pairwise(kc)]
         sqs = [b - a for a, b in itertools.pairwise(qc)]
-        tails = [sk % bn for sk in sks]
-        columns = sum(sk - t for sk, t in zip(sks, tails, strict=True)) + sum(
-            _tail_width(t) for t in tails if t
-        )
-        return columns, sum(-(-sk // bn) for sk in sks), sum(-(-sq // bm) for sq in sqs)
+        widths = [sk - sk % bn + (_tail_width(sk % bn) if sk % bn else 0) for sk in sks]
+        ahead = sum(w for w, sq in zip(widths, sqs, strict=True) if sq > bm)
+        blocks_ = sum(-(-sk // bn) for sk in sks)
+        return sum(widths), ahead, blocks_, sum(-(-sq // bm) for sq in sqs)
     k = torch.tensor(kc, dtype=torch.int64)
     q = torch.tensor(qc, dtype=torch.int64)
     sk, sq = k[1:] - k[:-1], q[1:] - q[:-1]
     tail = sk % bn
-    # a tail's width: the power of two from 32 that holds it (bn is 256: 32, 64, 128, 256)
+    # a tail's width: the power of two from 32 that holds it, at most bn
     width = torch.full_like(tail, 32)
     while bool((width < tail).any()):
         width = torch.where(width < tail, width * 2, width)
-    width = torch.where(tail > 0, torch.clamp(width, max=bn), 0)
-    columns = int((sk - tail).sum() + width.sum())
-    return columns, int(((sk + bn - 1) // bn).sum()), int(((sq + bm - 1) // bm).sum())
+    width = sk - tail + torch.where(tail > 0, torch.clamp(width, max=bn), 0)
+    ahead = int(torch.where(sq > bm, width, 0).sum())
+    return (
+        int(width.sum()),
+        ahead,
+        int(((sk + bn - 1) // bn).sum()),
+        int(((sq + bm - 1) // bm).sum()),
+    )
 
 
 def _tail_width(n: int) -> int:
@@ -241,4 +269,4 @@ def _tail_width(n: int) -> int:
     width = 32
     while width < n:
         width *= 2
-    return min(width, BLOCK_KEYS)
+    return min(width, blocks()[1])
