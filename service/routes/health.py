@@ -55,6 +55,7 @@ def _health(state: ServiceState) -> JSONResponse:
         "kernel_reason": status.get("reason"),
         "lse_kernel": status.get("lse_kernel"),
         "lse_kernel_reason": status.get("lse_reason"),
+        "kernel_calibration": status.get("calibration"),
         "shared_memory": (
             {"socket": state.region_server.path, "instance": state.instance}
             if state.region_server is not None

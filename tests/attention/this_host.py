@@ -19,12 +19,6 @@ def cpu_is_zen() -> bool:
     return bool(vendor and family and vendor[1] == "AuthenticAMD" and int(family[1]) >= 0x17)
 
 
-def cpu_has_amx() -> bool:
-    """The first CPU in /proc/cpuinfo has AMX's bf16 tiles."""
-    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    return bool(flags and "amx_bf16" in flags[1].split())
-
-
 def zentorch_runs() -> bool:
     """zentorch imports and its zentorch_sdpa agrees with torch's fp32 SDPA on a causal case."""
     try:

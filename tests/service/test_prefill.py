@@ -85,6 +85,26 @@ def test_large_answers_read_from_the_socket(where, request):
         assert client.health()["status"] == "ok"
 
 
+def test_health_names_the_kernel_auto_takes_and_its_calibration(server):
+    """The service's choice is this host's: the same kernels, reasons and calibration figures
+    as `zentorch_status()` in this process (the calibration is kept on disk per host and
+    build, so the service's processes and this one agree)."""
+    with PrefillClient(server.url) as client:
+        health = client.health()
+    status = zen_mla.zentorch_status()
+    assert health["kernel"] == status["auto_kernel"]
+    assert health["lse_kernel"] == status["lse_kernel"]
+    calibration = health["kernel_calibration"]
+    assert set(calibration) == {"out", "lse"}
+    for mode in ("out", "lse"):
+        ours = status["calibration"][mode]
+        if ours is None:
+            assert calibration[mode] is None
+            continue
+        assert calibration[mode]["seconds"] == ours["seconds"]
+        assert calibration[mode]["winner"] == health["kernel" if mode == "out" else "lse_kernel"]
+
+
 def test_response_metadata_and_timing(server):
     from zen_mla import wire
 

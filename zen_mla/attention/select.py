@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import itertools
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,10 +19,11 @@ import torch
 
 from ..errors import InvalidInputError, KernelUnavailableError
 from .batch import validate
+from .calibrate import Calibration, calibrated, calibration_enabled
 from .driver import attend
 from .host import CpuFacts, HostFacts, cpu_facts
 from .kernels import KERNELS, AttentionKernel, NativeKernel, ZentorchKernel
-from .kernels.native import native_unavailable
+from .kernels.native import EXTENSION, native_unavailable
 from .kernels.zentorch import zentorch_op
 
 __all__ = [
@@ -192,12 +195,57 @@ def _cannot_run(kernel: type[AttentionKernel], host: HostFacts, dtype: torch.dty
     return reason
 
 
-def _auto(
-    host: HostFacts, dtype: torch.dtype, *, lse: bool
-) -> tuple[type[AttentionKernel], list[str]]:
-    """The first registered kernel that runs on `host` for `dtype`, suits "auto" and, with
-    `lse`, gives a trusted LSE; and why each kernel before it was passed over."""
+def _build(host: HostFacts) -> dict[str, Any]:
+    """What a calibration's figures hold for: the CPU, the thread count's host, and the builds
+    of torch, zentorch, zen-mla and its native extension."""
+    native: Any = None
+    spec = importlib.util.find_spec(EXTENSION) if not host.native_failure else None
+    if spec is not None and spec.origin:
+        stat = os.stat(spec.origin)
+        native = [stat.st_size, stat.st_mtime_ns]
+    try:
+        ours = importlib.metadata.version("zen-mla")
+    except importlib.metadata.PackageNotFoundError:
+        ours = None
+    return {
+        "cpu": asdict(host.cpu),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "zentorch": host.zentorch_version,
+        "zen_mla": ours,
+        "native": native,
+    }
+
+
+#: calibrations made in this process, by (kernels, dtype, return_lse)
+_CALIBRATIONS: dict[tuple[tuple[str, ...], torch.dtype, bool], Calibration] = {}
+
+
+def _calibration(
+    host: HostFacts, kernels: list[type[AttentionKernel]], dtype: torch.dtype, *, lse: bool
+) -> Calibration:
+    key = (tuple(k.name for k in kernels), dtype, lse)
+    if key not in _CALIBRATIONS:
+        _CALIBRATIONS[key] = calibrated(kernels, dtype, return_lse=lse, build=_build(host))
+    return _CALIBRATIONS[key]
+
+
+@dataclass(frozen=True, slots=True)
+class _Auto:
+    """What "auto" takes for a dtype (with or without an LSE), and why."""
+
+    kernel: type[AttentionKernel]
+    reason: str
+    calibration: Calibration | None
+
+
+def _auto(host: HostFacts, dtype: torch.dtype, *, lse: bool) -> _Auto:
+    """Of the registered kernels that run on `host` for `dtype`, suit "auto" and, with `lse`,
+    give a trusted LSE: the one the calibration measured fastest where there are several (and
+    calibration is on), else the first. The reason says why each kernel before it was passed
+    over, then the chosen kernel's own, then the calibration's figures."""
     passed_over: list[str] = []
+    eligible: list[type[AttentionKernel]] = []
     for kernel in KERNELS.values():
         reason = (
             _cannot_run(kernel, host, dtype)
@@ -205,11 +253,23 @@ def _auto(
             or (kernel.lse_unavailable_reason(host) if lse else None)
         )
         if reason is None:
-            return kernel, passed_over
-        passed_over.append(reason)
-    raise KernelUnavailableError(
-        "kernel", f"a kernel that runs here (none does: {'; '.join(passed_over)})", "'auto'"
-    )
+            eligible.append(kernel)
+        elif not eligible:
+            passed_over.append(reason)
+    if not eligible:
+        raise KernelUnavailableError(
+            "kernel", f"a kernel that runs here (none does: {'; '.join(passed_over)})", "'auto'"
+        )
+    calibration = None
+    chosen = eligible[0]
+    if len(eligible) > 1 and calibration_enabled():
+        calibration = _calibration(host, eligible, dtype, lse=lse)
+        chosen = KERNELS[calibration.winner]
+    own = chosen.lse_reason if lse else chosen.auto_reason
+    why = [*passed_over, own] + ([calibration.reason()] if calibration else [])
+    if calibration is None and len(eligible) > 1:
+        why.append("first in order of preference (ZEN_MLA_CALIBRATE is off)")
+    return _Auto(chosen, "; ".join(why), calibration)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,15 +278,16 @@ class HostStatus:
 
     `sdpa_ok`: the op exists *and* ran correctly here; `sdpa_lse_ok`: besides, its LSE route
     passed the start-up probe (every driver path against fp64). `auto_kernel` is what
-    `kernel="auto"` resolves to for bf16: the first registered kernel that runs here and suits
-    "auto" (the native kernel where it passed its probe and the CPU is a Zen part, else zentorch
-    where the op works and the CPU is a Zen part, else torch). `lse_kernel` is what computes out
-    and lse for `kernel="auto", return_lse=True` on bf16: the first of those whose LSE is
-    trusted here (native's and zentorch's where their probes passed, torch's flash kernel
-    always). The reasons say why: why each kernel before the chosen one was passed over, then
-    the chosen kernel's own. `native_ok`: zen-mla's native kernel is built, runs on this CPU
-    and passed its start-up probe; `native_reason` says why not where it did not ('' where it
-    did).
+    `kernel="auto"` resolves to for bf16: of the registered kernels that run here and suit
+    "auto" (native where it passed its probe, zentorch where its op works, torch's always), the
+    one `calibration` measured fastest. `lse_kernel` is what computes out and lse for
+    `kernel="auto", return_lse=True` on bf16: the same among those whose LSE is trusted here
+    (native's and zentorch's where their probes passed, torch's flash kernel always), measured
+    with the LSE (`lse_calibration`). The reasons say why: why each kernel before the first
+    suitable one was passed over, the chosen kernel's own, then which won the calibration and
+    by how much. A calibration is None where one kernel suits or calibration is off.
+    `native_ok`: zen-mla's native kernel is built, runs on this CPU and passed its start-up
+    probe; `native_reason` says why not where it did not ('' where it did).
     """
 
     installed: bool
@@ -240,6 +301,8 @@ class HostStatus:
     lse_reason: str
     native_ok: bool
     native_reason: str
+    calibration: Calibration | None = None
+    lse_calibration: Calibration | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The contract's `zentorch_status()` form (JSON-ready)."""
@@ -253,6 +316,10 @@ class HostStatus:
             "lse_kernel": self.lse_kernel,
             "lse_reason": self.lse_reason,
             "native": {"ok": self.native_ok, "reason": self.native_reason or None},
+            "calibration": {
+                "out": self.calibration.as_dict() if self.calibration else None,
+                "lse": self.lse_calibration.as_dict() if self.lse_calibration else None,
+            },
         }
 
 
@@ -260,35 +327,38 @@ def host_status() -> HostStatus:
     """What this host offers, probed once per process (`host_facts()`), and what "auto" makes
     of it."""
     host = host_facts()
-    auto, auto_passed_over = _auto(host, torch.bfloat16, lse=False)
-    lse_kernel, lse_passed_over = _auto(host, torch.bfloat16, lse=True)
+    auto = _auto(host, torch.bfloat16, lse=False)
+    lse = _auto(host, torch.bfloat16, lse=True)
     return HostStatus(
         installed=host.zentorch_installed,
         version=host.zentorch_version,
         sdpa_ok=not host.zentorch_failure,
         sdpa_lse_ok=not host.zentorch_failure and not host.zentorch_lse_failure,
         cpu=host.cpu,
-        auto_kernel=auto.name,
-        reason="; ".join([*auto_passed_over, auto.auto_reason]),
-        lse_kernel=lse_kernel.name,
-        lse_reason="; ".join([*lse_passed_over, lse_kernel.lse_reason]),
+        auto_kernel=auto.kernel.name,
+        reason=auto.reason,
+        lse_kernel=lse.kernel.name,
+        lse_reason=lse.reason,
         native_ok=not host.native_failure,
         native_reason=host.native_failure,
+        calibration=auto.calibration,
+        lse_calibration=lse.calibration,
     )
 
 
 def zentorch_status() -> dict[str, Any]:
     """zentorch on this host, probed once: `{"installed", "version", "ops": {"zentorch_sdpa",
     "zentorch_sdpa_lse"}, "cpu", "auto_kernel", "reason", "lse_kernel", "lse_reason", "native":
-    {"ok", "reason"}}` (see `HostStatus`, its typed form)."""
+    {"ok", "reason"}, "calibration": {"out", "lse"}}` (see `HostStatus`, its typed form)."""
     return host_status().as_dict()
 
 
 def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[AttentionKernel]:
     """The kernel that computes `out` (and `lse`) for a request naming `kernel`.
 
-    "auto" takes the first registered kernel that runs here, suits "auto" and computes `dtype`
-    at its own precision (with `return_lse`, also gives a trusted LSE). A named kernel that
+    "auto" takes, of the registered kernels that run here, suit "auto" and compute `dtype` at
+    their own precision (with `return_lse`, also give a trusted LSE), the one the calibration
+    measured fastest (`attention.calibrate`; the first where it is off). A named kernel that
     cannot run raises KernelUnavailableError with its reason. With `return_lse`, a named kernel
     whose LSE is not trusted here (zentorch where its probe failed) hands the whole request
     (out and lse from one softmax, so they merge consistently) to the kernel "auto" would take
@@ -298,7 +368,7 @@ def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[
         raise InvalidInputError("kernel", f"one of {', '.join(KERNEL_NAMES)}", repr(kernel))
     host = host_facts()
     if kernel == "auto":
-        return _auto(host, dtype, lse=return_lse)[0]
+        return _auto(host, dtype, lse=return_lse).kernel
     chosen = KERNELS[kernel]
     reason = _cannot_run(chosen, host, dtype)
     if reason is not None:
@@ -309,7 +379,7 @@ def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[
             'Use kernel="auto" to take the best available one',
         )
     if return_lse and chosen.lse_unavailable_reason(host) is not None:
-        return _auto(host, dtype, lse=True)[0]
+        return _auto(host, dtype, lse=True).kernel
     return chosen
 
 

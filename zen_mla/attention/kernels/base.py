@@ -90,8 +90,8 @@ class AttentionKernel:
     ragged: ClassVar[bool] = False
     #: input dtypes computed at their own precision
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
-    #: why "auto" takes this kernel where it is the first registered one that suits it
-    auto_reason: ClassVar[str] = "the first kernel in order of preference that runs here"
+    #: why "auto" may take this kernel (the calibration says why it took it)
+    auto_reason: ClassVar[str] = "it runs here"
     #: why the LSE comes from this kernel where it does
     lse_reason: ClassVar[str] = "its LSE is fp32-accurate on every CPU"
 

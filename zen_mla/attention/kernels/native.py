@@ -96,10 +96,7 @@ class NativeKernel(AttentionKernel):
     needs_equal_head_dims: ClassVar[bool] = False
     ragged: ClassVar[bool] = True
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
-    auto_reason: ClassVar[str] = (
-        "zen-mla's native kernel passed the start-up probe against fp64 and the CPU is AMD Zen or "
-        "has AMX, where bench/kernel.py measured it faster than zentorch_sdpa and torch's kernel"
-    )
+    auto_reason: ClassVar[str] = "zen-mla's native kernel passed the start-up probe against fp64"
     lse_reason: ClassVar[str] = (
         "zen-mla's native kernel passed the start-up probe against fp64 (its LSE too)"
     )
@@ -107,16 +104,6 @@ class NativeKernel(AttentionKernel):
     @classmethod
     def unavailable_reason(cls, host: HostFacts) -> str | None:
         return host.native_failure or None
-
-    @classmethod
-    def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
-        if host.cpu.zen or host.cpu.amx_bf16:
-            return None
-        return (
-            f"zen-mla's native kernel works, but it was measured faster on AMD Zen and on CPUs "
-            f"with AMX only, and the CPU is {host.cpu.vendor} without AMX (kernel='native' "
-            f"forces it)"
-        )
 
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:

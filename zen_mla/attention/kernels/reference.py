@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import torch
 
+from ..host import HostFacts
 from .base import AttentionKernel, CallShape, KernelCall
 
 __all__ = ["ReferenceKernel"]
@@ -19,6 +20,10 @@ class ReferenceKernel(AttentionKernel):
 
     name: ClassVar[str] = "reference"
     needs_equal_head_dims: ClassVar[bool] = False
+
+    @classmethod
+    def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
+        return "the reference kernel is fp32 math for checking, never taken by 'auto'"
 
     @classmethod
     def call_bytes(cls, shape: CallShape, threads: int) -> int:

@@ -22,6 +22,7 @@ class TorchFlashKernel(AttentionKernel):
 
     name: ClassVar[str] = "torch"
     needs_equal_head_dims: ClassVar[bool] = True
+    auto_reason: ClassVar[str] = "torch's flash kernel runs on every CPU"
 
     @classmethod
     def call_bytes(cls, shape: CallShape, threads: int) -> int:

@@ -43,19 +43,12 @@ class ZentorchKernel(AttentionKernel):
     needs_equal_head_dims: ClassVar[bool] = True
     # fp16 runs, but at bf16 precision (max error ~9x same-precision PyTorch's, measured)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float32)
-    auto_reason: ClassVar[str] = "zentorch_sdpa works and the CPU is AMD Zen"
+    auto_reason: ClassVar[str] = "zentorch_sdpa works (it passed the start-up probe)"
     lse_reason: ClassVar[str] = "zentorch_sdpa's LSE route passed the start-up probe against fp64"
 
     @classmethod
     def unavailable_reason(cls, host: HostFacts) -> str | None:
         return host.zentorch_failure or None
-
-    @classmethod
-    def auto_unsuited_reason(cls, host: HostFacts) -> str | None:
-        # The kernel is AMD's, tuned for Zen; vLLM gates it the same way.
-        if host.cpu.zen:
-            return None
-        return f"zentorch_sdpa works, but the CPU is {host.cpu.vendor}, not Zen"
 
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
