@@ -378,10 +378,41 @@ struct Scratch {
   }
 };
 
+// How far (base 2) a row's scores may rise past the max its P is taken against before that max
+// is raised: P and l then hold values up to 2^8, well within bf16's and fp32's range.
+constexpr float kLazyMax = 8.f;
+
+// P = 2^(S * scale_log2 - m) of a row's `vis` visible columns into `prow` (bf16; one masked 16
+// at most, the rest up to `width` not written) and their sum; `vmax` takes the scores' max.
+ZEN_MLA_AVX512 inline float exp_row(
+    const Problem& p, const float* srow, bf16* prow, int64_t vis, float m, __m512& vmax) {
+  const int64_t whole = vis & ~int64_t(15);
+  const __m512 sl = _mm512_set1_ps(p.scale_log2), vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < whole; j += 16) {
+    const __m512 x = _mm512_loadu_ps(srow + j);
+    vmax = _mm512_max_ps(vmax, x);
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(x, sl, vm));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (whole < vis) {
+    const __mmask16 tail = tail_mask(vis - whole);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail, srow + whole);
+    vmax = _mm512_max_ps(vmax, x);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_fmsub_ps(x, sl, vm)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + whole), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
 // The online-softmax step of one query row over one key block: `vis` of the block's columns
 // are visible. Updates m (base 2, scaled) and l, writes the row of P (bf16, zero past `vis` up
-// to `width`, a multiple of 32) and returns the factor the row of acc is to be scaled by. The
-// visible columns' whole 16s go without masks; one masked 16 at most.
+// to `width`, a multiple of 32) and returns the factor the row of acc is to be scaled by.
+// After a row's first block, P is taken against the max it has (one pass over S, no rescale of
+// acc) unless the block's scores pass it by more than kLazyMax; then, and on the first block,
+// against the exact max (two passes).
 ZEN_MLA_AVX512 float softmax_row(
     const Problem& p, const float* srow, bf16* prow, float& m, float& l, int64_t vis,
     int64_t width) {
@@ -389,32 +420,30 @@ ZEN_MLA_AVX512 float softmax_row(
     std::memset(prow, 0, width * sizeof(bf16));
     return 1.f;
   }
-  const int64_t whole = vis & ~int64_t(15);
-  const __mmask16 tail = tail_mask(vis - whole);
-  const __m512 sl = _mm512_set1_ps(p.scale_log2), ninf = _mm512_set1_ps(kNegInf);
-  __m512 vmax = ninf;
-  for (int64_t j = 0; j < whole; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
-  if (whole < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail, srow + whole));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax) * p.scale_log2);
-  const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 vsum = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j < whole; j += 16) {
-    const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), sl, vm));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  if (j < vis) {
-    const __m512 x = _mm512_maskz_loadu_ps(tail, srow + j);
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_fmsub_ps(x, sl, vm)));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
-    j += 16;
-  }
-  for (; j < width; j += 16)
+  const int64_t written = round_up(vis, 16);
+  for (int64_t j = written; j < width; j += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  float m_new;
+  if (m != kNegInf) {
+    const float sum = exp_row(p, srow, prow, vis, m, vmax);
+    m_new = _mm512_reduce_max_ps(vmax) * p.scale_log2;
+    if (m_new <= m + kLazyMax) {
+      l += sum;
+      return 1.f;
+    }
+  } else {
+    const int64_t whole = vis & ~int64_t(15);
+    for (int64_t j = 0; j < whole; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
+    if (whole < vis)
+      vmax = _mm512_max_ps(
+          vmax,
+          _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(vis - whole), srow + whole));
+    m_new = _mm512_reduce_max_ps(vmax) * p.scale_log2;
+  }
+  const float sum = exp_row(p, srow, prow, vis, m_new, vmax);
   const float alpha = m == kNegInf ? 0.f : std::exp2(m - m_new);
-  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  l = l * alpha + sum;
   m = m_new;
   return alpha;
 }
