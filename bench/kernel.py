@@ -114,6 +114,22 @@ def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dic
     return rows, results
 
 
+#: the methods of the targets' run: ours, its peers and the matmul, nothing that takes seconds
+#: (vLLM's fp32 paths and the reference leave the matrix units idle and the caches cold for the
+#: next method: in the full run the native kernel took up to 1.5x its time alone)
+FOCUSED = ("ours native", "ours lse (native)", "ours torch", SGLANG, MATMUL)
+
+
+def focused(reps: int, batches: list[str]) -> dict[str, dict[str, float]]:
+    """Per batch, the medians of `FOCUSED`'s methods, run interleaved with each other only."""
+    status = zen_mla.zentorch_status()
+    results = {}
+    for name in batches:
+        fns = methods(c.REFERENCE_BATCHES[name], False, status["native"]["ok"])
+        results[name] = c.paired_medians({m: fn for m, fn in fns.items() if m in FOCUSED}, reps)
+    return results
+
+
 #: the native kernel's parts, as `attend` reports them (native.cpp's `Part`)
 PARTS = ("pack", "queries", "QK^T", "softmax", "PV", "out")
 
@@ -362,9 +378,17 @@ def main() -> None:
         header = ["batch", "LSE", "ms", *PARTS, "idle"]
         print(c.table(header, native_parts(args.reps, batches)))
     cpu = status["cpu"]
-    if cpu["amx_bf16"]:
-        print("\nThe native kernel against its targets on a CPU with AMX (paired, same threads)\n")
-        print(c.table(["batch", "figure", "measured", "target", "met"], amx_target_rows(results)))
+    if cpu["amx_bf16"] and status["native"]["ok"]:
+        alone = focused(args.reps, batches)
+        print(f"\nOurs and its peers alone ({', '.join(FOCUSED)}, interleaved)\n")
+        rows = [
+            [n, m, f"{t * 1e3:.2f}", f"{_of_matmul(n, med, m):.2f}" if m != MATMUL else "1"]
+            for n, med in alone.items()
+            for m, t in med.items()
+        ]
+        print(c.table(["batch", "method", "median ms", "of the matmul"], rows))
+        print("\nThe native kernel against its targets on a CPU with AMX (that run)\n")
+        print(c.table(["batch", "figure", "measured", "target", "met"], amx_target_rows(alone)))
     targets = zen_target_rows(results) if cpu["zen"] else []
     if targets:
         print("\nThe native kernel against its targets on AMD Zen (paired, same threads)\n")

@@ -205,6 +205,31 @@ def test_large_scores_keep_an_fp32_accurate_lse():
     assert want.abs().max() > 50 and (lse.double() - want).abs().max() <= 1e-3
 
 
+@pytest.mark.native
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("keys", ["rising", "jump"])
+def test_scores_that_rise_along_a_row_keep_out_and_lse_accurate(keys, causal):
+    """A row's P is taken against the max of its earlier key blocks while the block's sum stays
+    under 2^64, else against the exact max: scores that rise gradually along the keys take the
+    first way, keys ~600x larger past the middle (scores beyond 2^64 of the earlier max) the
+    second. Out and LSE against fp64 either way."""
+    t = 1500
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(t, 4, 192, generator=gen)
+    growth = torch.linspace(0.1, 3, t) if keys == "rising" else (torch.arange(t) >= t // 2) * 30.0
+    k = torch.randn(t, 4, 192, generator=gen) * (growth + 0.05)[:, None, None]
+    v = torch.randn(t, 4, 128, generator=gen)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    cu = torch.tensor([0, t])
+    out, lse = zen_mla.ragged_attention(
+        q, k, v, cu, cu, causal=causal, return_lse=True, kernel="native"
+    )
+    want, want_lse = attention_fp64(q, k, v, [0, t], [0, t], causal=causal, scale=192**-0.5)
+    assert want_lse.max() > (50 if keys == "jump" else 5)  # the later keys dominate
+    assert (lse.double() - want_lse).abs().max() <= 1e-4
+    assert (out.double() - want).abs().max() < 3e-2
+
+
 @pytest.mark.parametrize(
     ("module", "unbuilt", "cpu_ok", "says"),
     [

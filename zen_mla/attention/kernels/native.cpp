@@ -123,19 +123,19 @@ class PackBuffer {
   static inline size_t kept_bytes_ = 0;
 };
 
-// 2^x for finite x <= 0: the exponent by scalef (0 where it underflows), 2^f on [-0.5, 0.5]
-// by a degree-4 polynomial fitted for relative error, 2.6e-6 at most (a tenth of bf16's
-// rounding of P; the LSE's error from it is 2.6e-6 at most). Four FMAs where Taylor's degree 6
-// took six, and no clamp: the softmax is the part of a key block the AMX tiles wait for.
+// 2^x: f = x - floor(x) in [0, 1) in one instruction (VREDUCEPS), 2^f by a degree-4
+// polynomial fitted for relative error (2.6e-6 at most: a tenth of bf16's rounding of P, and
+// the LSE's error from it 2.6e-6 at most), times 2^floor(x) by scalef (0 where it underflows,
+// inf where it overflows). Four FMAs and two more instructions: the softmax is the part of a
+// key block the AMX tiles wait for.
 ZEN_MLA_AVX512 inline __m512 exp2_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(9.570102207362652e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786280274391e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.3534167781472206e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146379113197e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427548646927e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038332939148e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  return _mm512_scalef_ps(p, x);
 }
 
 inline __mmask16 tail_mask(int64_t n) {
@@ -378,41 +378,56 @@ struct Scratch {
   }
 };
 
-// How far (base 2) a row's scores may rise past the max its P is taken against before that max
-// is raised: P and l then hold values up to 2^8, well within bf16's and fp32's range.
-constexpr float kLazyMax = 8.f;
+// A block's P is taken against the max its row had before (`softmax_row`) while the block's sum
+// of P stays under this: then no P exceeds it, and P, l and acc stay far within bf16's and
+// fp32's range (2^64 against 2^127), at their relative precision.
+constexpr float kLazySum = 18446744073709551616.f;  // 2^64
 
-// P = 2^(S * scale_log2 - m) of a row's `vis` visible columns into `prow` (bf16; one masked 16
-// at most, the rest up to `width` not written) and their sum; `vmax` takes the scores' max.
+// P = 2^(S * scale_log2 - m) of a row's `vis` visible columns into `prow` (bf16, 32 at a time,
+// zeros past `vis` to the next 32) and their sum.
 ZEN_MLA_AVX512 inline float exp_row(
-    const Problem& p, const float* srow, bf16* prow, int64_t vis, float m, __m512& vmax) {
-  const int64_t whole = vis & ~int64_t(15);
+    const Problem& p, const float* srow, bf16* prow, int64_t vis, float m) {
+  const int64_t whole = vis & ~int64_t(31);
   const __m512 sl = _mm512_set1_ps(p.scale_log2), vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < whole; j += 16) {
-    const __m512 x = _mm512_loadu_ps(srow + j);
-    vmax = _mm512_max_ps(vmax, x);
-    const __m512 e = exp2_ps(_mm512_fmsub_ps(x, sl, vm));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < whole; j += 32) {
+    const __m512 e0 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), sl, vm));
+    const __m512 e1 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), sl, vm));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    _mm512_storeu_si512(prow + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
   }
   if (whole < vis) {
-    const __mmask16 tail = tail_mask(vis - whole);
-    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail, srow + whole);
-    vmax = _mm512_max_ps(vmax, x);
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_fmsub_ps(x, sl, vm)));
-    vsum = _mm512_add_ps(vsum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + whole), (__m256i)_mm512_cvtneps_pbh(e));
+    const __mmask16 k0 = tail_mask(vis - whole);
+    const __mmask16 k1 = tail_mask(std::max<int64_t>(vis - whole - 16, 0));
+    const __m512 x0 = _mm512_maskz_loadu_ps(k0, srow + whole);
+    const __m512 x1 = _mm512_maskz_loadu_ps(k1, srow + whole + 16);
+    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_ps(_mm512_fmsub_ps(x0, sl, vm)));
+    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_ps(_mm512_fmsub_ps(x1, sl, vm)));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    _mm512_storeu_si512(prow + whole, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
   }
-  return _mm512_reduce_add_ps(vsum);
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// The max of a row's `vis` visible scores, times scale_log2.
+ZEN_MLA_AVX512 inline float row_max(const Problem& p, const float* srow, int64_t vis) {
+  const int64_t whole = vis & ~int64_t(15);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 vmax = ninf;
+  for (int64_t j = 0; j < whole; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
+  if (whole < vis)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail_mask(vis - whole), srow + whole));
+  return _mm512_reduce_max_ps(vmax) * p.scale_log2;
 }
 
 // The online-softmax step of one query row over one key block: `vis` of the block's columns
 // are visible. Updates m (base 2, scaled) and l, writes the row of P (bf16, zero past `vis` up
 // to `width`, a multiple of 32) and returns the factor the row of acc is to be scaled by.
-// After a row's first block, P is taken against the max it has (one pass over S, no rescale of
-// acc) unless the block's scores pass it by more than kLazyMax; then, and on the first block,
-// against the exact max (two passes).
+// After a row's first block, P is taken against the max it has (one pass over S, acc not
+// rescaled) while the block's sum of P stays under kLazySum; else, and on the first block,
+// against the exact max (a pass for the max, one for P).
 ZEN_MLA_AVX512 float softmax_row(
     const Problem& p, const float* srow, bf16* prow, float& m, float& l, int64_t vis,
     int64_t width) {
@@ -420,28 +435,17 @@ ZEN_MLA_AVX512 float softmax_row(
     std::memset(prow, 0, width * sizeof(bf16));
     return 1.f;
   }
-  const int64_t written = round_up(vis, 16);
-  for (int64_t j = written; j < width; j += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  float m_new;
+  for (int64_t j = round_up(vis, 32); j < width; j += 32)
+    _mm512_storeu_si512(prow + j, _mm512_setzero_si512());
   if (m != kNegInf) {
-    const float sum = exp_row(p, srow, prow, vis, m, vmax);
-    m_new = _mm512_reduce_max_ps(vmax) * p.scale_log2;
-    if (m_new <= m + kLazyMax) {
+    const float sum = exp_row(p, srow, prow, vis, m);
+    if (sum < kLazySum) {  // false for inf and NaN too
       l += sum;
       return 1.f;
     }
-  } else {
-    const int64_t whole = vis & ~int64_t(15);
-    for (int64_t j = 0; j < whole; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(srow + j));
-    if (whole < vis)
-      vmax = _mm512_max_ps(
-          vmax,
-          _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(vis - whole), srow + whole));
-    m_new = _mm512_reduce_max_ps(vmax) * p.scale_log2;
   }
-  const float sum = exp_row(p, srow, prow, vis, m_new, vmax);
+  const float m_new = std::max(m, row_max(p, srow, vis));
+  const float sum = exp_row(p, srow, prow, vis, m_new);
   const float alpha = m == kNegInf ? 0.f : std::exp2(m - m_new);
   l = l * alpha + sum;
   m = m_new;
