@@ -10,6 +10,7 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.reference import assert_close_to_reference
+from zen_mla.attention.calibrate import cache_path
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 
 MLA = (4, 192, 128)
@@ -92,6 +93,8 @@ def test_health_names_the_kernel_auto_takes_and_its_calibration(server):
     with PrefillClient(server.url) as client:
         health = client.health()
     status = zen_mla.zentorch_status()
+    if not cache_path().exists():  # each process measured for itself: the winners may differ
+        pytest.skip(f"no calibration kept here ({cache_path()} cannot be written)")
     assert health["kernel"] == status["auto_kernel"]
     assert health["lse_kernel"] == status["lse_kernel"]
     calibration = health["kernel_calibration"]
