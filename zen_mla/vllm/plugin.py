@@ -73,14 +73,14 @@ def register() -> None:
             "zen-mla: this CPU has AMX, where vLLM picks the AMX_MLA attention backend, whose "
             "prefill calls no prefill backend: zen-mla is not used unless vLLM runs with "
             "--attention-backend CPU_MLA (measured on a Xeon with AMX: CPU_MLA with zen-mla in "
-            "process gave the first token of 2k-16k-token prompts 1.4-1.7x sooner than AMX_MLA, "
-            "CPU_MLA's own prefill 2.1-3.6x later; docs/vllm.md)"
+            "process gave the first token of 2k-16k-token prompts 1.5-1.95x sooner than AMX_MLA, "
+            "CPU_MLA's own prefill 2.2-4.2x later; docs/vllm.md)"
         )
     else:
         logger.info(
             "zen-mla: vLLM's CPU_MLA attention backend runs here, and its prefill is zen-mla's; "
-            "on one host zen-mla in process (ZEN_MLA_URL=local) gave the first token soonest, "
-            "the service on the same cores within 0.94-1.06x of it (measured on a Xeon, "
+            "on one host zen-mla in process (ZEN_MLA_URL=local) and the service on the same "
+            "cores gave the first token within 0.87-1.05x of each other (measured on a Xeon, "
             "2k-16k-token prompts; docs/vllm.md)"
         )
 
