@@ -74,6 +74,29 @@ def test_where_the_cache_cannot_be_written_each_process_measures(tmp_path, monke
     assert not got.cached and got.winner in {"torch", "reference"}
 
 
+class _Raising(TorchFlashKernel):
+    """Passed its probe, yet raises on the calibration's batches."""
+
+    name = "raising"
+
+    @classmethod
+    def forward(cls, call):
+        raise RuntimeError("Illegal instruction")
+
+
+def test_a_kernel_that_raises_is_left_out_and_named(cache_dir):
+    got = calibrate.calibrated(
+        (_Raising, TorchFlashKernel), torch.bfloat16, return_lse=False, build=BUILD
+    )
+    assert got.winner == "torch" and set(got.seconds) == {"torch"}
+    assert got.failed == {"raising": "RuntimeError: Illegal instruction"}
+    assert "raising raised on it: RuntimeError: Illegal instruction" in got.reason()
+    again = calibrate.calibrated(
+        (_Raising, TorchFlashKernel), torch.bfloat16, return_lse=False, build=BUILD
+    )
+    assert again.cached and again.failed == got.failed and again.winner == "torch"
+
+
 CALIBRATE = """
 import json, torch
 from zen_mla.attention import calibrate

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class Calibration:
     seconds: dict[str, dict[str, float]]
     threads: int
     cached: bool
+    #: the kernels that raised on a calibration batch (left out), and what they raised
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def relative(self) -> dict[str, float]:
@@ -81,9 +83,11 @@ class Calibration:
             for name in sorted(relative, key=relative.__getitem__)
             if name != winner
         )
+        failed = "".join(f"; {name} raised on it: {why}" for name, why in self.failed.items())
         return (
-            f"{winner} measured fastest here ({others}; geometric mean over {', '.join(BATCHES)} "
-            f"at {HEADS} heads, {self.threads} threads{', kept from an earlier run' * self.cached})"
+            f"{winner} measured fastest here ({others}{', ' * bool(others)}geometric mean over "
+            f"{', '.join(BATCHES)} at {HEADS} heads, {self.threads} threads"
+            f"{', kept from an earlier run' * self.cached}{failed})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ class Calibration:
             "seconds": {k: {b: round(t, 6) for b, t in v.items()} for k, v in self.seconds.items()},
             "threads": self.threads,
             "cached": self.cached,
+            "failed": self.failed,
         }
 
 
@@ -135,20 +140,27 @@ def measure(
         attend(batch, kernel, return_lse=return_lse)
         return time.perf_counter() - start
 
-    times: dict[str, dict[str, list[float]]] = {k.name: {b: [] for b in BATCHES} for k in kernels}
+    failed: dict[str, str] = {}
     for kernel, batch in itertools.product(kernels, batches.values()):
-        once(kernel, batch)
-    running = list(kernels)
+        if kernel.name not in failed:
+            try:
+                once(kernel, batch)
+            except Exception as exc:  # passed its probe, yet raised: not a candidate
+                failed[kernel.name] = f"{type(exc).__name__}: {exc}"
+    running = [k for k in kernels if k.name not in failed]
+    if not running:
+        raise RuntimeError(f"every kernel raised in the calibration: {failed}")
+    times: dict[str, dict[str, list[float]]] = {k.name: {b: [] for b in BATCHES} for k in running}
     for round_ in range(ROUNDS):
         for kernel, (name, batch) in itertools.product(running, batches.items()):
             times[kernel.name][name].append(once(kernel, batch))
         if round_ == 0:  # a kernel over twice the fastest's time on every batch is out
-            best = {b: min(times[k.name][b][0] for k in kernels) for b in BATCHES}
+            best = {b: min(ts[b][0] for ts in times.values()) for b in BATCHES}
             running = [
                 k for k in running if any(times[k.name][b][0] < 2 * best[b] for b in BATCHES)
             ]
     seconds = {k: {b: statistics.median(ts) for b, ts in v.items()} for k, v in times.items()}
-    return Calibration(seconds, torch.get_num_threads(), cached=False)
+    return Calibration(seconds, torch.get_num_threads(), cached=False, failed=failed)
 
 
 @contextlib.contextmanager
@@ -206,14 +218,22 @@ def calibrated(
     with _locked(path) as shared:
         entry = _read(path).get(key) if shared else None
         if isinstance(entry, dict) and isinstance(entry.get("seconds"), dict):
-            seconds = entry["seconds"]
-            if set(seconds) == {k.name for k in kernels} and all(
-                set(v) == set(BATCHES) for v in seconds.values()
+            seconds, failed = entry["seconds"], entry.get("failed", {})
+            if (
+                seconds
+                and isinstance(failed, dict)
+                and set(seconds) | set(failed) == {k.name for k in kernels}
+                and all(set(v) == set(BATCHES) for v in seconds.values())
             ):
-                return Calibration(seconds, int(entry.get("threads", 0)), cached=True)
+                return Calibration(seconds, int(entry.get("threads", 0)), True, failed)
         done = measure(kernels, dtype, return_lse=return_lse)
         if shared:
             kept = _read(path)
-            kept[key] = {**facts, "seconds": done.seconds, "threads": done.threads}
+            kept[key] = {
+                **facts,
+                "seconds": done.seconds,
+                "threads": done.threads,
+                "failed": done.failed,
+            }
             _write(path, kept)
     return done

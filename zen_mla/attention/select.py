@@ -196,8 +196,8 @@ def _cannot_run(kernel: type[AttentionKernel], host: HostFacts, dtype: torch.dty
 
 
 def _build(host: HostFacts) -> dict[str, Any]:
-    """What a calibration's figures hold for: the CPU, the thread count's host, and the builds
-    of torch, zentorch, zen-mla and its native extension."""
+    """What a calibration's figures hold for: the CPU and the host's count of them, and the
+    builds of torch, zentorch, zen-mla and its native extension."""
     native: Any = None
     spec = importlib.util.find_spec(EXTENSION) if not host.native_failure else None
     if spec is not None and spec.origin:
