@@ -6,6 +6,7 @@ the scale is a positive finite number.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "Run",
     "check_num_seqs",
     "check_out",
+    "random_batch",
     "total_visible_pairs",
     "validate",
     "visible_pairs",
@@ -269,3 +271,23 @@ def check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:
         dtype = str(v.dtype).removeprefix("torch.")
         got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')}"
         raise InvalidInputError("out", f"{list(want)} {dtype} (v's dtype)", got)
+
+
+def random_batch(
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    *,
+    causal: bool,
+    gen: torch.Generator,
+) -> RaggedBatch:
+    """A validated batch of standard-normal q, k and v (`heads` = (H, Dqk, Dv), drawn from `gen`
+    in that order, then cast to `dtype`): the start-up probes' and the calibration's."""
+    h, dqk, dv = heads
+    q_cu = torch.tensor([0, *itertools.accumulate(q_lens)])
+    kv_cu = torch.tensor([0, *itertools.accumulate(kv_lens)])
+    q = torch.randn(int(q_cu[-1]), h, dqk, generator=gen).to(dtype)
+    k = torch.randn(int(kv_cu[-1]), h, dqk, generator=gen).to(dtype)
+    v = torch.randn(int(kv_cu[-1]), h, dv, generator=gen).to(dtype)
+    return validate(q, k, v, q_cu, kv_cu, causal=causal, scale=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -22,17 +23,26 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .batch import RaggedBatch, validate
+from .batch import RaggedBatch, random_batch
 from .driver import attend
+from .host import HostFacts
 from .kernels import AttentionKernel
+from .kernels.native import native_module
 
-__all__ = ["BATCHES", "Calibration", "cache_path", "calibrated", "calibration_enabled"]
+__all__ = [
+    "BATCHES",
+    "Calibration",
+    "build_facts",
+    "cache_path",
+    "calibrated",
+    "calibration_enabled",
+]
 
 #: (query lengths, key lengths, causal) of the calibration's batches: the contract's `long`,
 #: `mixed`, `short` and `chunk` at a quarter of their tokens, 8 heads of MLA's head dims
@@ -102,6 +112,25 @@ class Calibration:
         }
 
 
+def build_facts(host: HostFacts) -> dict[str, Any]:
+    """What a calibration's figures hold for: the CPU and the host's count of them, and the
+    builds of torch, zentorch, zen-mla and its native extension."""
+    module = native_module()[0] if not host.native_failure else None
+    stat = os.stat(module.__file__) if module is not None and module.__file__ else None
+    try:
+        ours = importlib.metadata.version("zen-mla")
+    except importlib.metadata.PackageNotFoundError:
+        ours = None
+    return {
+        "cpu": asdict(host.cpu),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "zentorch": host.zentorch_version,
+        "zen_mla": ours,
+        "native": [stat.st_size, stat.st_mtime_ns] if stat else None,
+    }
+
+
 def calibration_enabled() -> bool:
     """False where `ZEN_MLA_CALIBRATE` is 0, false, no or off."""
     said = os.environ.get("ZEN_MLA_CALIBRATE", "1").strip().lower()
@@ -118,13 +147,9 @@ def cache_path() -> Path:
 
 def _batch(name: str, dtype: torch.dtype) -> RaggedBatch:
     q_lens, kv_lens, causal = BATCHES[name]
+    heads = (HEADS, QK_HEAD_DIM, V_HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
-    q_cu = torch.tensor([0, *itertools.accumulate(q_lens)])
-    kv_cu = torch.tensor([0, *itertools.accumulate(kv_lens)])
-    q = torch.randn(sum(q_lens), HEADS, QK_HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(sum(kv_lens), HEADS, QK_HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(sum(kv_lens), HEADS, V_HEAD_DIM, generator=gen).to(dtype)
-    return validate(q, k, v, q_cu, kv_cu, causal=causal, scale=None)
+    return random_batch(q_lens, kv_lens, heads, dtype, causal=causal, gen=gen)
 
 
 def measure(
@@ -204,8 +229,8 @@ def calibrated(
     build: dict[str, Any],
 ) -> Calibration:
     """The calibration of `kernels` for `dtype` inputs, kept on disk under what the host and
-    the build are (`build`: the CPU, torch's, zentorch's and zen-mla's versions, the native
-    extension's file), measured now where none is kept."""
+    the build are (`build`: `build_facts`, the CPU, torch's, zentorch's and zen-mla's versions,
+    the native extension's file), measured now where none is kept."""
     facts = {
         **build,
         "format": FORMAT,

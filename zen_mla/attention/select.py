@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import importlib.util
-import itertools
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..errors import InvalidInputError, KernelUnavailableError
-from .batch import validate
-from .calibrate import Calibration, calibrated, calibration_enabled
+from .batch import random_batch
+from .calibrate import Calibration, build_facts, calibrated, calibration_enabled
 from .driver import attend
 from .host import CpuFacts, HostFacts, cpu_facts
 from .kernels import KERNELS, AttentionKernel, NativeKernel, ZentorchKernel
-from .kernels.native import EXTENSION, native_unavailable
+from .kernels.native import native_unavailable
 from .kernels.zentorch import zentorch_op
 
 __all__ = [
@@ -123,14 +120,16 @@ def probe_kernel(
     '' when every LSE is within 1e-3 (and -inf exactly where a query sees no key) and every
     `out` within its dtype's rounding, else what went wrong."""
     gen = torch.Generator().manual_seed(0)
-    h, dqk, dv = heads
     for lens, causal, dtype in cases:
-        q_cu = torch.tensor([0, *itertools.accumulate(sq for sq, _ in lens)])
-        kv_cu = torch.tensor([0, *itertools.accumulate(sk for _, sk in lens)])
-        q = torch.randn(int(q_cu[-1]), h, dqk, generator=gen).to(dtype)
-        k = torch.randn(int(kv_cu[-1]), h, dqk, generator=gen).to(dtype)
-        v = torch.randn(int(kv_cu[-1]), h, dv, generator=gen).to(dtype)
-        batch = validate(q, k, v, q_cu, kv_cu, causal=causal, scale=None)
+        q_lens, kv_lens = [sq for sq, _ in lens], [sk for _, sk in lens]
+        batch = random_batch(q_lens, kv_lens, heads, dtype, causal=causal, gen=gen)
+        q, k, v, q_cu, kv_cu = (
+            batch.q,
+            batch.k,
+            batch.v,
+            batch.q_cu_seq_lens,
+            batch.kv_cu_seq_lens,
+        )
         case = f"{dtype} {'causal' if causal else 'non-causal'} (Sq, Sk) = {list(lens)}"
         try:
             out, lse = attend(batch, kernel, return_lse=True)
@@ -138,8 +137,7 @@ def probe_kernel(
             return f"{what} raised on {case}: {exc}"
         assert lse is not None
         for i in range(len(lens)):
-            qs = slice(int(q_cu[i]), int(q_cu[i + 1]))
-            ks = slice(int(kv_cu[i]), int(kv_cu[i + 1]))
+            qs, ks = slice(q_cu[i], q_cu[i + 1]), slice(kv_cu[i], kv_cu[i + 1])
             want_out, want_lse = _reference(q[qs], k[ks], v[ks], causal=causal, scale=batch.scale)
             got_lse = lse[:, qs].double()
             blind = torch.isinf(want_lse)
@@ -195,55 +193,49 @@ def _cannot_run(kernel: type[AttentionKernel], host: HostFacts, dtype: torch.dty
     return reason
 
 
-def _build(host: HostFacts) -> dict[str, Any]:
-    """What a calibration's figures hold for: the CPU and the host's count of them, and the
-    builds of torch, zentorch, zen-mla and its native extension."""
-    native: Any = None
-    spec = importlib.util.find_spec(EXTENSION) if not host.native_failure else None
-    if spec is not None and spec.origin:
-        stat = os.stat(spec.origin)
-        native = [stat.st_size, stat.st_mtime_ns]
-    try:
-        ours = importlib.metadata.version("zen-mla")
-    except importlib.metadata.PackageNotFoundError:
-        ours = None
-    return {
-        "cpu": asdict(host.cpu),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "zentorch": host.zentorch_version,
-        "zen_mla": ours,
-        "native": native,
-    }
-
-
-#: calibrations made in this process, by (kernels, dtype, return_lse)
-_CALIBRATIONS: dict[tuple[tuple[str, ...], torch.dtype, bool], Calibration] = {}
+#: calibrations made in this process and their winners, by (kernels, dtype, return_lse)
+_CALIBRATIONS: dict[
+    tuple[tuple[str, ...], torch.dtype, bool], tuple[Calibration, type[AttentionKernel]]
+] = {}
 
 
 def _calibration(
     host: HostFacts, kernels: list[type[AttentionKernel]], dtype: torch.dtype, *, lse: bool
-) -> Calibration:
+) -> tuple[Calibration, type[AttentionKernel]]:
     key = (tuple(k.name for k in kernels), dtype, lse)
     if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = calibrated(kernels, dtype, return_lse=lse, build=_build(host))
+        calibration = calibrated(kernels, dtype, return_lse=lse, build=build_facts(host))
+        _CALIBRATIONS[key] = (calibration, KERNELS[calibration.winner])
     return _CALIBRATIONS[key]
 
 
 @dataclass(frozen=True, slots=True)
 class _Auto:
-    """What "auto" takes for a dtype (with or without an LSE), and why."""
+    """What "auto" takes for a dtype (with or without an LSE), and why: the reasons the kernels
+    before the first suitable one were passed over, and the chosen kernel's own."""
 
     kernel: type[AttentionKernel]
-    reason: str
+    why: tuple[str, ...]
     calibration: Calibration | None
+    #: several kernels suited "auto" and calibration was off
+    unmeasured: bool
+
+    @property
+    def reason(self) -> str:
+        """`why`, then which kernel won the calibration and by how much (built when asked:
+        a request's selection needs the kernel only)."""
+        said = [*self.why]
+        if self.calibration is not None:
+            said.append(self.calibration.reason())
+        if self.unmeasured:
+            said.append("first in order of preference (ZEN_MLA_CALIBRATE is off)")
+        return "; ".join(said)
 
 
 def _auto(host: HostFacts, dtype: torch.dtype, *, lse: bool) -> _Auto:
     """Of the registered kernels that run on `host` for `dtype`, suit "auto" and, with `lse`,
     give a trusted LSE: the one the calibration measured fastest where there are several (and
-    calibration is on), else the first. The reason says why each kernel before it was passed
-    over, then the chosen kernel's own, then the calibration's figures."""
+    calibration is on), else the first."""
     passed_over: list[str] = []
     eligible: list[type[AttentionKernel]] = []
     for kernel in KERNELS.values():
@@ -260,16 +252,13 @@ def _auto(host: HostFacts, dtype: torch.dtype, *, lse: bool) -> _Auto:
         raise KernelUnavailableError(
             "kernel", f"a kernel that runs here (none does: {'; '.join(passed_over)})", "'auto'"
         )
-    calibration = None
-    chosen = eligible[0]
-    if len(eligible) > 1 and calibration_enabled():
-        calibration = _calibration(host, eligible, dtype, lse=lse)
-        chosen = KERNELS[calibration.winner]
+    calibration, chosen = None, eligible[0]
+    measure = len(eligible) > 1 and calibration_enabled()
+    if measure:
+        calibration, chosen = _calibration(host, eligible, dtype, lse=lse)
     own = chosen.lse_reason if lse else chosen.auto_reason
-    why = [*passed_over, own] + ([calibration.reason()] if calibration else [])
-    if calibration is None and len(eligible) > 1:
-        why.append("first in order of preference (ZEN_MLA_CALIBRATE is off)")
-    return _Auto(chosen, "; ".join(why), calibration)
+    unmeasured = len(eligible) > 1 and not measure
+    return _Auto(chosen, (*passed_over, own), calibration, unmeasured)
 
 
 @dataclass(frozen=True, slots=True)

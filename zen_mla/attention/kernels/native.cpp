@@ -350,15 +350,14 @@ struct Scratch {
     for (size_t n : sizes) total += (n + 63) / 64 * 64;
     char* base = kept.get();
     if (total > kept_bytes) {
-      void* fresh = std::aligned_alloc(64, total);
-      TORCH_CHECK(fresh != nullptr, "zen_mla native: out of memory for ", total, " bytes");
-      std::memset(fresh, 0, total);  // finite from the start, whatever rows a call leaves
-      base = static_cast<char*>(fresh);
+      auto fresh = aligned<char>(int64_t(total));
+      std::memset(fresh.get(), 0, total);  // finite from the start, whatever rows a call leaves
+      base = fresh.get();
       if (total <= kKeepScratch) {
-        kept.reset(base);
+        kept = std::move(fresh);
         kept_bytes = total;
       } else {
-        own.reset(base);
+        own = std::move(fresh);
       }
     }
     char* at = base;
@@ -468,10 +467,10 @@ ZEN_MLA_AVX512 inline void store_row(const float* row, int64_t n, float inv, bf1
   const __m512 vinv = _mm512_set1_ps(inv);
   if (stride == 1 && n % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
     for (int64_t d = 0; d < n; d += 32) {
-      __m256bh a = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + d), vinv));
-      __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + d + 16), vinv));
-      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a), (__m256i)b, 1);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + d), both);
+      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(row + d), vinv);
+      const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(row + d + 16), vinv);
+      _mm512_stream_si512(
+          reinterpret_cast<__m512i*>(dst + d), (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
     return;
   }
