@@ -148,7 +148,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"CPU: {cpu_line(zen_mla.zentorch_status())}; 1 worker; paired medians, ms\n")
+    print(f"CPU: {cpu_line(zen_mla.host_kernels())}; 1 worker; paired medians, ms\n")
     rows = []
     for policy, by_tokens in results.items():
         for n in TOKENS:

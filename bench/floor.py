@@ -210,7 +210,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"CPU: {cpu_line(zen_mla.zentorch_status())}")
+    print(f"CPU: {cpu_line(zen_mla.host_kernels())}")
     header = ["part", *[f"{n} token{'s' if n > 1 else ''} ms" for n in TOKENS]]
     body = [[part, *[f"{v[n]:.3f}" if n in v else "-" for n in TOKENS]] for part, v in rows.items()]
     print(c.table(header, body))

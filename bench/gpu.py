@@ -229,9 +229,9 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    host = cpu_line(zen_mla.zentorch_status())
+    host = cpu_line(zen_mla.host_kernels())
     where = f"GPU: {gpu}" if gpu else "no CUDA device here: the GPU's columns are not measured"
-    kernel = zen_mla.zentorch_status()["auto_kernel"]
+    kernel = zen_mla.host_kernels()["auto"]["out"]["kernel"]
     head = [
         f"CPU: {host}; service CPUs: {args.service_cpus or 'all'}; {where}; "
         f"kernel: {kernel}; torch {torch.__version__}; paired medians of {args.reps}",

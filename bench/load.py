@@ -176,7 +176,7 @@ def main() -> None:
             done = f"workers {row[0]}, clients {row[1]}: p50 {row[2]} ms, {row[5]} tokens/s"
             print(done, flush=True)
     print(
-        f"CPU: {cpu_line(zen_mla.zentorch_status())}; service CPUs: {args.service_cpus or 'all'}; "
+        f"CPU: {cpu_line(zen_mla.host_kernels())}; service CPUs: {args.service_cpus or 'all'}; "
         f"{args.seconds:.0f} s a row, max_queue {args.max_queue}, kernel {args.kernel}, "
         f"batches {', '.join(c.REFERENCE_BATCHES)} in turn\n"
     )

@@ -82,7 +82,7 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     print(
         f"CPUs: {cpus}, in-process threads: {torch.get_num_threads()}, "
-        f"auto kernel: {zen_mla.zentorch_status()['auto_kernel']}\n"
+        f"auto kernel: {zen_mla.host_kernels()['auto']['out']['kernel']}\n"
     )
     configs = {f"pool {cpus}x1": PoolConfig(workers=cpus), f"pool 1x{cpus}": PoolConfig(workers=1)}
     pools = {name: WorkerPool(cfg).start() for name, cfg in configs.items()}

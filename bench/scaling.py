@@ -42,8 +42,12 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(c.REFERENCE_BATCHES))
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    status = zen_mla.zentorch_status()
-    kernels = args.kernels.split(",") if args.kernels else sorted({status["auto_kernel"], "torch"})
+    status = zen_mla.host_kernels()
+    kernels = (
+        args.kernels.split(",")
+        if args.kernels
+        else sorted({status["auto"]["out"]["kernel"], "torch"})
+    )
     unknown = [k for k in kernels if k not in KERNELS]
     if unknown:
         raise SystemExit(f"--kernels: unknown {unknown}; expected among {sorted(KERNELS)}")

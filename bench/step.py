@@ -165,7 +165,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"CPU: {cpu_line(zen_mla.zentorch_status())}; 1 worker; paired medians of {args.reps}\n")
+    print(f"CPU: {cpu_line(zen_mla.host_kernels())}; 1 worker; paired medians of {args.reps}\n")
     header = ["step (61 layers)", "path", "step ms", "vs in process", "ms a call over"]
     print(c.table(header, rows))
     plot(ratios, c.OUT_DIR / "step.png")

@@ -170,7 +170,7 @@ def start_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def cpu_name() -> str:
-    status = zen_mla.zentorch_status()["cpu"]
+    status = zen_mla.host_kernels()["cpu"]
     family = status.get("family")
     zen = {23: "Zen 1/2", 25: "Zen 3/4", 26: "Zen 5"}.get(family, f"family {family}")
     return f"{status['model']} ({status['vendor']}, {zen if status.get('zen') else 'not Zen'})"

@@ -1,8 +1,8 @@
 """`zen-mla`: the only place that reads argv and calls sys.exit.
 
     zen-mla serve [--host 127.0.0.1] [--port 8000] [--uds PATH] [--workers auto|N] ...
-    zen-mla health URL        exit 0 when the service is ready (for container health checks)
-    zen-mla status            zentorch and CPU facts of this host
+    zen-mla health [URL,...]  exit 0 when the service is ready (for container health checks)
+    zen-mla status            this host's kernels, which "auto" takes and why, the CPU
     zen-mla bench [NAME ...]  run benchmarks under bench/ (kernel, pool, e2e by default)
 
 Every serve flag is also an environment variable ZEN_MLA_<FLAG>; a flag wins over it.
@@ -117,21 +117,36 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    """Each endpoint's `/health` (URL, or ZEN_MLA_URL's comma-separated endpoints); 0 when every
+    one is ready."""
     import httpx
 
-    try:
-        response = httpx.get(args.url.rstrip("/") + "/health", timeout=args.timeout)
-    except httpx.HTTPError as exc:
-        print(f"unreachable: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(response.json(), indent=2))
-    return 0 if response.status_code == 200 else 1
+    urls = [u.strip().rstrip("/") for u in args.url.split(",") if u.strip()]
+    if not urls or any(u.lower() == "local" for u in urls):
+        print(
+            f"zen-mla health: expected the service's URL (http://host:port), got {args.url!r}",
+            file=sys.stderr,
+        )
+        return 2
+    ready = True
+    for url in urls:
+        try:
+            response = httpx.get(url + "/health", timeout=args.timeout)
+        except httpx.HTTPError as exc:
+            print(f"{url}: unreachable: {exc}", file=sys.stderr)
+            ready = False
+            continue
+        print(
+            json.dumps(response.json(), indent=2) if len(urls) == 1 else f"{url}: {response.text}"
+        )
+        ready = ready and response.status_code == 200
+    return 0 if ready else 1
 
 
 def _status(args: argparse.Namespace) -> int:
     import zen_mla
 
-    print(json.dumps(zen_mla.zentorch_status(), indent=2))
+    print(json.dumps(zen_mla.host_kernels(), indent=2))
     return 0
 
 
@@ -206,12 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     health = commands.add_parser("health", help="check a running service's /health")
     health.add_argument(
-        "url", nargs="?", default=os.environ.get("ZEN_MLA_URL", "http://127.0.0.1:8000")
+        "url",
+        nargs="?",
+        default=os.environ.get("ZEN_MLA_URL", "http://127.0.0.1:8000"),
+        help="the service, or several, comma-separated (default: ZEN_MLA_URL, else "
+        "http://127.0.0.1:8000)",
     )
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(run=_health)
 
-    status = commands.add_parser("status", help="print zentorch's state and the CPU facts")
+    status = commands.add_parser(
+        "status", help='print this host\'s kernels, what "auto" takes and why, and the CPU'
+    )
     status.set_defaults(run=_status)
 
     bench = commands.add_parser("bench", help="run the benchmarks (tables and plots)")

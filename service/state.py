@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zen_mla import ServiceUnavailableError
+from zen_mla.attention import HostStatus
 from zen_mla.engine import PrefillEngine
 from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
@@ -28,9 +29,9 @@ class ServiceState:
     ready: bool = False
     draining: bool = False
     start_error: str | None = None
-    # zentorch_status(), once its probe (seconds, in a thread at start) is done; /health reads
-    # this instead of calling it, which would block the event loop on the probe meanwhile
-    zentorch: dict[str, Any] | None = None
+    # host_status(), once its probes (seconds, in a thread at start) are done; /health reads
+    # this instead of asking, which would block the event loop on the probes meanwhile
+    kernels: HostStatus | None = None
     # same-host regions (None while shared memory is off or not started); owned by the event
     # loop's thread, as the region server that fills it runs there
     regions: RegionRegistry | None = None

@@ -13,15 +13,28 @@ from ._lazy import lazy_names
 from .errors import *  # noqa: F403  (the one exception tree is the package's face)
 
 if TYPE_CHECKING:
-    from .attention import KernelChoice, kernel_choice, ragged_attention, zentorch_status
+    from .attention import (
+        KernelChoice,
+        host_kernels,
+        kernel_choice,
+        ragged_attention,
+        zentorch_status,
+    )
 
-__all__ = ["KernelChoice", "kernel_choice", "ragged_attention", "zentorch_status"]
+__all__ = [
+    "KernelChoice",
+    "host_kernels",
+    "kernel_choice",
+    "ragged_attention",
+    "zentorch_status",  # deprecated: host_kernels()
+]
 __all__ += errors.__all__
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "KernelChoice": ".attention",
+    "host_kernels": ".attention",
     "kernel_choice": ".attention",
     "ragged_attention": ".attention",
     "zentorch_status": ".attention",

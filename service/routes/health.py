@@ -23,7 +23,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
     @app.get("/health", responses={503: {"description": "not ready, draining, or no worker alive"}})
     async def health() -> JSONResponse:
-        """Readiness: zentorch, the kernel "auto" resolves to, each worker."""
+        """Readiness: the host's kernels (what "auto" takes and why), each worker, what is held."""
         return _health(state)
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
@@ -44,24 +44,24 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
 
 def _health(state: ServiceState) -> JSONResponse:
-    """200 ("ok", or "degraded" while some worker is down) only when a worker can take work."""
-    status = state.zentorch or {}
+    """200 ("ok", or "degraded" while some worker is down) only when a worker can take work.
+
+    `kernels` is `zen_mla.host_kernels()`; `zentorch`, `kernel`, `kernel_reason`, `lse_kernel`,
+    `lse_kernel_reason` and `kernel_calibration` are the same facts under their earlier keys,
+    kept for clients that read them (deprecated; removed in 0.3)."""
     now = readiness(state)
     a = state.admission
+    kernels = state.kernels.as_dict() if state.kernels is not None else None
+    auto = kernels["auto"] if kernels is not None else None
     body = {
         "status": now.status,
-        "zentorch": {k: status.get(k) for k in ("installed", "version", "ops")},
-        "kernel": status.get("auto_kernel"),
-        "kernel_reason": status.get("reason"),
-        "lse_kernel": status.get("lse_kernel"),
-        "lse_kernel_reason": status.get("lse_reason"),
-        "kernel_calibration": status.get("calibration"),
+        "kernels": kernels,
         "shared_memory": (
             {"socket": state.region_server.path, "instance": state.instance}
             if state.region_server is not None
             else None
         ),
-        "cpu": status.get("cpu"),
+        "cpu": kernels["cpu"] if kernels is not None else None,
         "workers": now.workers,
         "inflight": a.inflight,
         "uploads": a.uploads,
@@ -69,5 +69,16 @@ def _health(state: ServiceState) -> JSONResponse:
         "inflight_bytes": a.inflight_bytes,
         "held_bytes": {kind: a.held_bytes[kind] for kind in HELD_KINDS},
         "error": state.start_error,
+        # deprecated keys: the facts of `kernels`, as clients read them before it
+        "zentorch": (
+            kernels["zentorch"]
+            if kernels is not None
+            else {"installed": None, "version": None, "ops": None}
+        ),
+        "kernel": auto and auto["out"]["kernel"],
+        "kernel_reason": auto and auto["out"]["reason"],
+        "lse_kernel": auto and auto["lse"]["kernel"],
+        "lse_kernel_reason": auto and auto["lse"]["reason"],
+        "kernel_calibration": auto and {m: auto[m]["calibration"] for m in ("out", "lse")},
     }
     return JSONResponse(body, status_code=200 if now.ready else 503)

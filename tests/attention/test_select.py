@@ -42,33 +42,54 @@ def _small():
     return {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu, "kv_cu_seq_lens": kv_cu}
 
 
-def test_status_has_the_contract_fields():
-    status = zen_mla.zentorch_status()
-    assert set(status) >= {"installed", "version", "ops", "cpu", "auto_kernel", "reason"}
-    assert isinstance(status["ops"]["zentorch_sdpa"], bool)
+def test_host_kernels_has_its_fields():
+    status = zen_mla.host_kernels()
+    assert set(status) == {"auto", "native", "zentorch", "cpu"}
+    assert set(status["zentorch"]) == {"installed", "version", "ops"}
+    assert set(status["auto"]) == {"out", "lse"}
+    assert set(status["auto"]["out"]) == {"kernel", "reason", "calibration"}
+    assert isinstance(status["zentorch"]["ops"]["zentorch_sdpa"], bool)
     assert set(status["cpu"]) >= {"vendor", "model", "avx512_bf16"}
-    assert status["auto_kernel"] in AUTO_KERNELS
-    if status["auto_kernel"] == "zentorch":
-        assert status["ops"]["zentorch_sdpa"]
-    if status["auto_kernel"] == "native":
+    assert status["auto"]["out"]["kernel"] in AUTO_KERNELS
+    if status["auto"]["out"]["kernel"] == "zentorch":
+        assert status["zentorch"]["ops"]["zentorch_sdpa"]
+    if status["auto"]["out"]["kernel"] == "native":
         assert status["native"]["ok"]
-    if status["ops"]["zentorch_sdpa"]:
-        assert status["installed"] and status["version"]
-    assert status["lse_kernel"] in AUTO_KERNELS and status["lse_reason"]
-    if status["lse_kernel"] == "zentorch":
-        assert status["ops"]["zentorch_sdpa_lse"]
-    assert status["ops"]["zentorch_sdpa_lse"] <= status["ops"]["zentorch_sdpa"]
+    if status["zentorch"]["ops"]["zentorch_sdpa"]:
+        assert status["zentorch"]["installed"] and status["zentorch"]["version"]
+    assert status["auto"]["lse"]["kernel"] in AUTO_KERNELS and status["auto"]["lse"]["reason"]
+    if status["auto"]["lse"]["kernel"] == "zentorch":
+        assert status["zentorch"]["ops"]["zentorch_sdpa_lse"]
+    assert (
+        status["zentorch"]["ops"]["zentorch_sdpa_lse"] <= status["zentorch"]["ops"]["zentorch_sdpa"]
+    )
     assert set(status["native"]) == {"ok", "reason"}
     assert (status["native"]["reason"] is None) == status["native"]["ok"]
-    assert set(status["calibration"]) == {"out", "lse"}
-    for mode, kernel in (("out", status["auto_kernel"]), ("lse", status["lse_kernel"])):
-        calibration = status["calibration"][mode]
+    for mode in ("out", "lse"):
+        kernel, calibration = status["auto"][mode]["kernel"], status["auto"][mode]["calibration"]
         if calibration is not None:  # None where one kernel suits "auto"
             relative = calibration["relative"]
             assert calibration["winner"] == kernel and relative[kernel] == min(relative.values())
 
 
 @pytest.mark.zentorch
+def test_zentorch_status_is_host_kernels_under_its_deprecated_name():
+    """Clients read `zentorch_status()`'s keys: the old name warns and gives the same facts in
+    its earlier form."""
+    with pytest.warns(DeprecationWarning, match="host_kernels"):
+        old = zen_mla.zentorch_status()
+    new = zen_mla.host_kernels()
+    assert {k: old[k] for k in ("installed", "version", "ops")} == new["zentorch"]
+    assert old["cpu"] == new["cpu"] and old["native"] == new["native"]
+    for mode, prefix in (("out", ""), ("lse", "lse_")):
+        assert (
+            old[f"{prefix}kernel" if mode == "lse" else "auto_kernel"]
+            == new["auto"][mode]["kernel"]
+        )
+        assert old[f"{prefix}reason"] == new["auto"][mode]["reason"]
+        assert old["calibration"][mode] == new["auto"][mode]["calibration"]
+
+
 def test_probe_rejects_an_op_that_gives_wrong_numbers():
     def broken(q, k, v, *args, **kwargs):
         return torch.zeros_like(q), None
@@ -101,12 +122,12 @@ def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
         native_failure="zen-mla's native kernel is not available: it was not built",
     )
     monkeypatch.setattr(select, "host_facts", lambda: absent)
-    assert zen_mla.zentorch_status()["auto_kernel"] == "torch"
-    assert zen_mla.zentorch_status()["reason"] == (
+    assert zen_mla.host_kernels()["auto"]["out"]["kernel"] == "torch"
+    assert zen_mla.host_kernels()["auto"]["out"]["reason"] == (
         "zen-mla's native kernel is not available: it was not built; zentorch is not installed; "
         + TorchFlashKernel.auto_reason
     )
-    assert zen_mla.zentorch_status()["native"] == {
+    assert zen_mla.host_kernels()["native"] == {
         "ok": False,
         "reason": "zen-mla's native kernel is not available: it was not built",
     }
@@ -190,7 +211,7 @@ def test_the_status_says_which_kernel_won_and_by_how_much():
     """The reason names the winner and each other kernel's time over its own, from the
     calibration `zentorch_status()` reports; the kernels before the first suitable one are
     named with why they were passed over."""
-    status = zen_mla.zentorch_status()
+    status = zen_mla.host_kernels()
     host = select.host_facts()
     suitable = _suitable(torch.bfloat16, False)
     first = KERNELS[suitable[0]]
@@ -198,19 +219,21 @@ def test_the_status_says_which_kernel_won_and_by_how_much():
         KERNELS[name].unavailable_reason(host)
         for name in AUTO_KERNELS[: AUTO_KERNELS.index(first.name)]
     ]
-    chosen = KERNELS[status["auto_kernel"]]
-    assert status["reason"].startswith("; ".join([*passed_over, chosen.auto_reason]))
+    chosen = KERNELS[status["auto"]["out"]["kernel"]]
+    assert status["auto"]["out"]["reason"].startswith("; ".join([*passed_over, chosen.auto_reason]))
     calibration = select.host_status().calibration
     if len(suitable) == 1:
-        assert calibration is None and status["calibration"]["out"] is None
+        assert calibration is None and status["auto"]["out"]["calibration"] is None
         return
-    assert calibration is not None and status["calibration"]["out"] == calibration.as_dict()
-    assert f"{chosen.name} measured fastest here (" in status["reason"]
+    assert calibration is not None and status["auto"]["out"]["calibration"] == calibration.as_dict()
+    assert f"{chosen.name} measured fastest here (" in status["auto"]["out"]["reason"]
     relative = calibration.relative
     for name in relative:
         if name != chosen.name:
             times = relative[name] / relative[chosen.name]
-            assert times >= 1.0 and f"{name} {times:.2f}x its time" in status["reason"]
+            assert (
+                times >= 1.0 and f"{name} {times:.2f}x its time" in status["auto"]["out"]["reason"]
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

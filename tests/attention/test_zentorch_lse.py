@@ -29,14 +29,14 @@ def _batch(q_lens, kv_lens, heads=MLA, dtype=torch.bfloat16, seed=0):
 
 
 def test_the_probe_passes_here_and_auto_lse_runs_zentorch_where_it_won():
-    status = zen_mla.zentorch_status()
+    status = zen_mla.host_kernels()
+    lse = status["auto"]["lse"]
     if not select.host_status().sdpa_lse_ok:
-        pytest.skip(f"zentorch's LSE route failed its probe here: {status['lse_reason']}")
-    assert status["ops"]["zentorch_sdpa_lse"]
+        pytest.skip(f"zentorch's LSE route failed its probe here: {lse['reason']}")
+    assert status["zentorch"]["ops"]["zentorch_sdpa_lse"]
     assert zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch"
-    if status["lse_kernel"] != "zentorch":
-        pytest.skip(f"auto with an LSE is {status['lse_kernel']} here: {status['lse_reason']}")
-    assert status["lse_kernel"] == "zentorch"
+    if lse["kernel"] != "zentorch":
+        pytest.skip(f"auto with an LSE is {lse['kernel']} here: {lse['reason']}")
     assert zen_mla.kernel_choice("auto", return_lse=True) == zen_mla.KernelChoice(
         "zentorch", "zentorch"
     )
@@ -81,12 +81,14 @@ def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch)
     monkeypatch.setattr(select, "probe_lse", lambda: "the LSE was off by 3")
     probed = select.probe_host_facts()
     monkeypatch.setattr(select, "host_facts", lambda: probed)
-    status = zen_mla.zentorch_status()
-    assert not status["ops"]["zentorch_sdpa_lse"]
-    fallback = status["lse_kernel"]  # of native and torch, the one measured faster
+    status = zen_mla.host_kernels()
+    assert not status["zentorch"]["ops"]["zentorch_sdpa_lse"]
+    fallback = status["auto"]["lse"]["kernel"]  # of native and torch, the one measured faster
     assert fallback == ("torch" if probed.native_failure else fallback) != "zentorch"
-    if fallback == "torch" and status["auto_kernel"] == "zentorch":
-        assert status["lse_reason"].startswith(f"{probed.native_failure}; the LSE was off by 3")
+    if fallback == "torch" and status["auto"]["out"]["kernel"] == "zentorch":
+        assert status["auto"]["lse"]["reason"].startswith(
+            f"{probed.native_failure}; the LSE was off by 3"
+        )
     assert zen_mla.kernel_choice("zentorch", return_lse=True) == zen_mla.KernelChoice(
         fallback, fallback
     )

@@ -88,24 +88,33 @@ def test_large_answers_read_from_the_socket(where, request):
 
 def test_health_names_the_kernel_auto_takes_and_its_calibration(server):
     """The service's choice is this host's: the same kernels, reasons and calibration figures
-    as `zentorch_status()` in this process (the calibration is kept on disk per host and
-    build, so the service's processes and this one agree)."""
+    as `host_kernels()` in this process (the calibration is kept on disk per host and build, so
+    the service's processes and this one agree); the deprecated keys say the same."""
     with PrefillClient(server.url) as client:
         health = client.health()
-    status = zen_mla.zentorch_status()
+    ours = zen_mla.host_kernels()
     if not cache_path().exists():  # each process measured for itself: the winners may differ
         pytest.skip(f"no calibration kept here ({cache_path()} cannot be written)")
-    assert health["kernel"] == status["auto_kernel"]
-    assert health["lse_kernel"] == status["lse_kernel"]
-    calibration = health["kernel_calibration"]
-    assert set(calibration) == {"out", "lse"}
+    kernels = health["kernels"]
+    assert set(kernels) == {"auto", "native", "zentorch", "cpu"}
+    assert kernels["zentorch"] == ours["zentorch"] and kernels["native"] == ours["native"]
     for mode in ("out", "lse"):
-        ours = status["calibration"][mode]
-        if ours is None:
-            assert calibration[mode] is None
+        theirs, mine = kernels["auto"][mode], ours["auto"][mode]
+        assert theirs["kernel"] == mine["kernel"]
+        if mine["calibration"] is None:
+            assert theirs["calibration"] is None
             continue
-        assert calibration[mode]["seconds"] == ours["seconds"]
-        assert calibration[mode]["winner"] == health["kernel" if mode == "out" else "lse_kernel"]
+        assert theirs["calibration"]["seconds"] == mine["calibration"]["seconds"]
+        assert theirs["calibration"]["winner"] == theirs["kernel"]
+    # the deprecated keys: the same facts where clients read them before `kernels`
+    assert health["zentorch"] == kernels["zentorch"]
+    assert health["kernel"] == kernels["auto"]["out"]["kernel"]
+    assert health["lse_kernel"] == kernels["auto"]["lse"]["kernel"]
+    assert health["kernel_reason"] == kernels["auto"]["out"]["reason"]
+    assert health["lse_kernel_reason"] == kernels["auto"]["lse"]["reason"]
+    assert health["kernel_calibration"] == {
+        mode: kernels["auto"][mode]["calibration"] for mode in ("out", "lse")
+    }
 
 
 def test_response_metadata_and_timing(server):

@@ -19,6 +19,7 @@ from .driver import attend
 from .select import (
     HostStatus,
     KernelChoice,
+    host_kernels,
     host_status,
     kernel_choice,
     select_kernel,
@@ -30,6 +31,7 @@ __all__ = [
     "KernelChoice",
     "PrefillOutput",
     "RaggedBatch",
+    "host_kernels",
     "host_status",
     "kernel_choice",
     "ragged_attention",

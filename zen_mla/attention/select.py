@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "HostStatus",
     "KernelChoice",
     "host_facts",
+    "host_kernels",
     "host_status",
     "kernel_choice",
     "probe_host_facts",
@@ -276,7 +278,7 @@ class HostStatus:
     suitable one was passed over, the chosen kernel's own, then which won the calibration and
     by how much. A calibration is None where one kernel suits or calibration is off.
     `native_ok`: zen-mla's native kernel is built, runs on this CPU and passed its start-up
-    probe; `native_reason` says why not where it did not ('' where it did).
+    probe; `native_reason` says why not where it did not (None where it did).
     """
 
     installed: bool
@@ -289,27 +291,54 @@ class HostStatus:
     lse_kernel: str
     lse_reason: str
     native_ok: bool
-    native_reason: str
+    native_reason: str | None
     calibration: Calibration | None = None
     lse_calibration: Calibration | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The contract's `zentorch_status()` form (JSON-ready)."""
+        """`host_kernels()`'s form (JSON-ready): what "auto" takes for `out` and with an LSE
+        (kernel, reason, calibration), native's and zentorch's state, the CPU."""
+        return {
+            "auto": {
+                "out": _choice(self.auto_kernel, self.reason, self.calibration),
+                "lse": _choice(self.lse_kernel, self.lse_reason, self.lse_calibration),
+            },
+            "native": {"ok": self.native_ok, "reason": self.native_reason},
+            "zentorch": self.zentorch(),
+            "cpu": asdict(self.cpu),
+        }
+
+    def zentorch(self) -> dict[str, Any]:
+        """zentorch's part: `{"installed", "version", "ops": {"zentorch_sdpa",
+        "zentorch_sdpa_lse"}}` (an op is true where it ran correctly here)."""
         return {
             "installed": self.installed,
             "version": self.version,
             "ops": {"zentorch_sdpa": self.sdpa_ok, "zentorch_sdpa_lse": self.sdpa_lse_ok},
+        }
+
+    def as_zentorch_status(self) -> dict[str, Any]:
+        """The deprecated `zentorch_status()` form: zentorch's part and the CPU at the top,
+        "auto"'s choices as `auto_kernel`, `reason`, `lse_kernel`, `lse_reason`."""
+        calibration = self.as_dict()["auto"]
+        return {
+            **self.zentorch(),
             "cpu": asdict(self.cpu),
             "auto_kernel": self.auto_kernel,
             "reason": self.reason,
             "lse_kernel": self.lse_kernel,
             "lse_reason": self.lse_reason,
-            "native": {"ok": self.native_ok, "reason": self.native_reason or None},
-            "calibration": {
-                "out": self.calibration.as_dict() if self.calibration else None,
-                "lse": self.lse_calibration.as_dict() if self.lse_calibration else None,
-            },
+            "native": {"ok": self.native_ok, "reason": self.native_reason},
+            "calibration": {mode: calibration[mode]["calibration"] for mode in ("out", "lse")},
         }
+
+
+def _choice(kernel: str, reason: str, calibration: Calibration | None) -> dict[str, Any]:
+    return {
+        "kernel": kernel,
+        "reason": reason,
+        "calibration": calibration.as_dict() if calibration else None,
+    }
 
 
 def host_status() -> HostStatus:
@@ -329,17 +358,30 @@ def host_status() -> HostStatus:
         lse_kernel=lse.kernel.name,
         lse_reason=lse.reason,
         native_ok=not host.native_failure,
-        native_reason=host.native_failure,
+        native_reason=host.native_failure or None,
         calibration=auto.calibration,
         lse_calibration=lse.calibration,
     )
 
 
-def zentorch_status() -> dict[str, Any]:
-    """zentorch on this host, probed once: `{"installed", "version", "ops": {"zentorch_sdpa",
-    "zentorch_sdpa_lse"}, "cpu", "auto_kernel", "reason", "lse_kernel", "lse_reason", "native":
-    {"ok", "reason"}, "calibration": {"out", "lse"}}` (see `HostStatus`, its typed form)."""
+def host_kernels() -> dict[str, Any]:
+    """The host's kernels, probed once: `{"auto": {"out": {"kernel", "reason", "calibration"},
+    "lse": {...}}, "native": {"ok", "reason"}, "zentorch": {"installed", "version", "ops":
+    {"zentorch_sdpa", "zentorch_sdpa_lse"}}, "cpu": {...}}` (see `HostStatus`, its typed
+    form)."""
     return host_status().as_dict()
+
+
+def zentorch_status() -> dict[str, Any]:
+    """Deprecated name of `host_kernels()`, in its earlier form (zentorch's keys at the top;
+    "auto"'s choice as `auto_kernel`, `reason`, `lse_kernel`, `lse_reason`); removed in 0.3."""
+    warnings.warn(
+        "zen_mla.zentorch_status() is deprecated: use zen_mla.host_kernels() (the same facts; "
+        "'auto_kernel' is ['auto']['out']['kernel'], 'lse_kernel' ['auto']['lse']['kernel'])",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return host_status().as_zentorch_status()
 
 
 def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[AttentionKernel]:
