@@ -1,5 +1,6 @@
 """Builds zen_mla/attention/kernels/native.cpp into `zen_mla.attention.kernels._native`, a torch
-C++ extension; everything else about the project is in pyproject.toml.
+C++ extension whose import registers the operator `torch.ops.zen_mla.native_attend`; everything
+else about the project is in pyproject.toml.
 
 The native kernel is optional: a build that cannot or may not happen does not fail the install.
 It leaves `_native_unbuilt.txt` where the module would be, one line saying why (no compiler, the

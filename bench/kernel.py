@@ -83,14 +83,14 @@ def peer_agreement(spec: c.RefBatch) -> float | None:
     x = c.make_inputs(spec)
     args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
     theirs = _sglang.extend_attention(*args, causal=spec.causal, scale=c.DQK**-0.5)()
-    kernel = "native" if zen_mla.zentorch_status()["native"]["ok"] else "auto"
+    kernel = "native" if zen_mla.host_kernels()["native"]["ok"] else "auto"
     ours = zen_mla.ragged_attention(*args, causal=spec.causal, kernel=kernel)
     return float((theirs.float() - ours.float()).abs().max())
 
 
 def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
-    status = zen_mla.zentorch_status()
-    has_zen, has_native = status["ops"]["zentorch_sdpa"], status["native"]["ok"]
+    status = zen_mla.host_kernels()
+    has_zen, has_native = status["zentorch"]["ops"]["zentorch_sdpa"], status["native"]["ok"]
     rows, results = [], {}
     for name in batches:
         spec = c.REFERENCE_BATCHES[name]
@@ -122,7 +122,7 @@ FOCUSED = ("ours native", "ours lse (native)", "ours torch", SGLANG, MATMUL)
 
 def focused(reps: int, batches: list[str]) -> dict[str, dict[str, float]]:
     """Per batch, the medians of `FOCUSED`'s methods, run interleaved with each other only."""
-    status = zen_mla.zentorch_status()
+    status = zen_mla.host_kernels()
     results = {}
     for name in batches:
         fns = methods(c.REFERENCE_BATCHES[name], False, status["native"]["ok"])
@@ -139,7 +139,8 @@ def native_parts(reps: int, batches: list[str]) -> list[list[str]]:
     the native kernel and idle (medians of `reps` calls)."""
     from zen_mla.attention.kernels.native import blocks, native_module
 
-    module, _ = native_module()
+    module, why = native_module()  # imports the extension: torch.ops.zen_mla.native_attend
+    assert module is not None, why
     rows = []
     for name in batches:
         spec = c.REFERENCE_BATCHES[name]
@@ -152,7 +153,7 @@ def native_parts(reps: int, batches: list[str]) -> list[list[str]]:
             parts = torch.zeros(len(PARTS) + 2, dtype=torch.float64)
             seen = []
             for _ in range(reps + 1):
-                module.attend(
+                torch.ops.zen_mla.native_attend(
                     q, k, v, q_cu, kv_cu, c.DQK**-0.5, spec.causal, out, lse, *blocks(), 0, parts
                 )
                 seen.append(parts.clone())
@@ -193,7 +194,7 @@ import _common as c, vllm_baseline, zen_mla
 spec = c.RefBatch([{n}], [{n}], causal=True, return_lse=True)
 x = c.make_inputs(spec)
 args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
-zen_mla.zentorch_status()
+zen_mla.host_kernels()
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM"):
@@ -346,15 +347,16 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(c.REFERENCE_BATCHES))
     args = parser.parse_args()
     c.OUT_DIR.mkdir(exist_ok=True)
-    status = zen_mla.zentorch_status()
+    status = zen_mla.host_kernels()
     batches = args.batches.split(",")
     print(f"CPU: {cpu_line(status)}")
+    zentorch = status["zentorch"]
     print(
-        f"zentorch {status['version']}, op usable: {status['ops']['zentorch_sdpa']}, "
-        f"LSE route usable: {status['ops']['zentorch_sdpa_lse']}; auto -> "
-        f"{status['auto_kernel']}, auto with LSE -> {status['lse_kernel']}"
+        f"zentorch {zentorch['version']}, op usable: {zentorch['ops']['zentorch_sdpa']}, "
+        f"LSE route usable: {zentorch['ops']['zentorch_sdpa_lse']}; auto -> "
+        f"{status['auto']['out']['kernel']}, auto with LSE -> {status['auto']['lse']['kernel']}"
     )
-    print(f"auto: {status['reason']}")
+    print(f"auto: {status['auto']['out']['reason']}")
     peer = _sglang.available()
     print(f"SGLang's extend_attention: {'timed beside ours' if not peer else f'not here ({peer})'}")
     for name in batches:
@@ -402,7 +404,7 @@ def main() -> None:
     if not args.skip_memory:
         mem_rows = []
         for method, label in MEMORY_METHODS.items():
-            if method == "zentorch" and not status["ops"]["zentorch_sdpa_lse"]:
+            if method == "zentorch" and not status["zentorch"]["ops"]["zentorch_sdpa_lse"]:
                 continue
             if method == "native" and not status["native"]["ok"]:
                 continue

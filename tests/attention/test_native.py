@@ -144,7 +144,7 @@ def test_the_entry_point_refuses_what_would_read_or_write_out_of_bounds(change, 
     module, _ = native.native_module()
     assert module is not None
     with pytest.raises(RuntimeError, match=says):
-        module.attend(
+        torch.ops.zen_mla.native_attend(
             q, k, v, args["q_cu"], args["kv_cu"], 192**-0.5, True, args["out"], args["lse"],
             128, args["bn"],
         )  # fmt: skip
@@ -265,9 +265,11 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, cpu_ok, s
         probed = select.probe_host_facts()
         assert says in probed.native_failure
         monkeypatch.setattr(select, "host_facts", lambda: probed)
-        status = zen_mla.zentorch_status()
+        status = zen_mla.host_kernels()
         assert status["native"] == {"ok": False, "reason": probed.native_failure}
-        assert status["auto_kernel"] != "native" and says in status["reason"]
+        assert (
+            status["auto"]["out"]["kernel"] != "native" and says in status["auto"]["out"]["reason"]
+        )
         batch = make_batch(BatchSpec([3]), MLA, torch.bfloat16)
         assert zen_mla.ragged_attention(*batch).shape == (3, 4, 128)
         with pytest.raises(zen_mla.KernelUnavailableError, match=re.escape(says)):

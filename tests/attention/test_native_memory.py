@@ -109,7 +109,7 @@ def test_heads_packed_a_group_at_a_time_give_the_same_answer():
     for budget in (0, 1, 50_000, 1 << 30):  # 0: no budget
         out = torch.zeros(q.shape[0], 7, 33, dtype=torch.bfloat16)
         lse = torch.zeros(7, q.shape[0])
-        module.attend(
+        torch.ops.zen_mla.native_attend(
             q, k, v, q_cu.long(), kv_cu, 70**-0.5, True, out, lse,
             *native.blocks(), budget,
         )  # fmt: skip

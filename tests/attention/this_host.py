@@ -42,7 +42,7 @@ def native_runs() -> bool:
     if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
         return False
     try:
-        native = importlib.import_module("zen_mla.attention.kernels._native")
+        importlib.import_module("zen_mla.attention.kernels._native")  # torch.ops.zen_mla
     except ImportError:
         return False
     gen = torch.Generator().manual_seed(1)
@@ -51,7 +51,7 @@ def native_runs() -> bool:
     out = torch.empty(70, 3, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 70])
     try:
-        native.attend(q, k, v, cu, cu, 192**-0.5, True, out, None)
+        torch.ops.zen_mla.native_attend(q, k, v, cu, cu, 192**-0.5, True, out, None)
     except Exception:  # a micro-kernel oneDNN refuses on this CPU, say
         return False
     heads_first = [t.float().transpose(0, 1) for t in (q, k, v)]

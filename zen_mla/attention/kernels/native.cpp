@@ -38,11 +38,13 @@
 // The brgemm calls reach oneDNN's AVX-512 BF16 micro-kernels on Zen 4 / Zen 5 and its AMX
 // ones on Intel hosts that have AMX. The vector code is compiled for AVX-512 BF16 through
 // target attributes only: the module loads on any x86-64, and `cpu_supported()` tells Python
-// whether `attend` may be called.
+// whether `torch.ops.zen_mla.native_attend` may be called.
+//
+// The kernel is the torch operator `zen_mla::native_attend` (schema below, its CPU kernel
+// `attend`): importing the module registers it. Its fake kernel, for tracing, is native.py's.
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
-#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -146,8 +148,17 @@ inline __mmask16 tail_mask(int64_t n) {
 // wider head dims are taken in chunks of it.
 constexpr int64_t kChunk = 256;
 
-// Keys of one packing item (a multiple of 32: the narrowest block)
+// bf16 values an AMX tile takes in depth (64 bytes, as many as one AVX-512 register holds):
+// keys come in whole tiles, so every key block's width is a multiple of it (the narrowest block
+// is one tile), and a row of P is written and zeroed a tile at a time.
+constexpr int64_t kTile = 32;
+
+// Rows of an AMX tile: the fewest queries (M) a brgemm call is given.
+constexpr int64_t kTileRows = 16;
+
+// Keys of one packing item (whole tiles)
 constexpr int64_t kPackSlice = 64;
+static_assert(kPackSlice % kTile == 0, "a packing item takes whole tiles of keys");
 
 constexpr int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step * step; }
 
@@ -201,9 +212,10 @@ struct Seq {
 };
 
 // One key block: which sequence, which tokens (`nn` of them from `n0`), its packed width
-// (bn, or a last block's `nn` rounded up to a power of two from 32: AMX's bf16 tiles take keys
-// 32 deep, and a block's width is the ldb of its brgemm calls) and where its columns start
-// among the packed blocks' (`col`; -1 where its sequence packs its own: `Seq::packs_own`).
+// (bn, or a last block's `nn` rounded up to a power of two from kTile: AMX's bf16 tiles take
+// keys kTile deep, and a block's width is the ldb of its brgemm calls) and where its columns
+// start among the packed blocks' (`col`; -1 where its sequence packs its own:
+// `Seq::packs_own`).
 struct KeyBlock {
   int64_t seq, n0, nn, width, col;
 };
@@ -214,18 +226,24 @@ struct Unit {
   int64_t seq, r0, rows, kend, cost, run0, run_len;
 };
 
+// A call's tensors (their data and strides, in elements), head dims, blocks and options; set
+// field by field in `attend`.
 struct Problem {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  bf16* out;
-  float* lse;  // nullptr: not asked
-  int64_t q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, o_s0, o_s1, o_s2, l_s0, l_s1;
-  int64_t dqk, dv, bm, bn;
-  int64_t kq;  // qk_depth(dqk)
-  int64_t nv;  // v_columns(dv)
-  float scale_log2;  // the score scale times log2(e): the softmax runs in base 2
-  bool causal;
+  const bf16* q = nullptr;
+  const bf16* k = nullptr;
+  const bf16* v = nullptr;
+  bf16* out = nullptr;
+  float* lse = nullptr;  // nullptr: not asked
+  int64_t q_s0 = 0, q_s1 = 0;  // q's token and head strides
+  int64_t k_s0 = 0, k_s1 = 0;
+  int64_t v_s0 = 0, v_s1 = 0;
+  int64_t o_s0 = 0, o_s1 = 0, o_s2 = 0;  // out's token, head and column strides
+  int64_t l_s0 = 0, l_s1 = 0;  // lse's head and token strides
+  int64_t dqk = 0, dv = 0, bm = 0, bn = 0;
+  int64_t kq = 0;  // qk_depth(dqk)
+  int64_t nv = 0;  // v_columns(dv)
+  float scale_log2 = 0.f;  // the score scale times log2(e): the softmax runs in base 2
+  bool causal = false;
 };
 
 // 16 x 16 transpose of 32-bit words: r[i] holds row i; afterwards r[j] holds column j.
@@ -423,7 +441,7 @@ ZEN_MLA_AVX512 inline float row_max(const Problem& p, const float* srow, int64_t
 
 // The online-softmax step of one query row over one key block: `vis` of the block's columns
 // are visible. Updates m (base 2, scaled) and l, writes the row of P (bf16, zero past `vis` up
-// to `width`, a multiple of 32) and returns the factor the row of acc is to be scaled by.
+// to `width`, whole tiles) and returns the factor the row of acc is to be scaled by.
 // After a row's first block, P is taken against the max it has (one pass over S, acc not
 // rescaled) while the block's sum of P stays under kLazySum; else, and on the first block,
 // against the exact max (a pass for the max, one for P).
@@ -434,7 +452,7 @@ ZEN_MLA_AVX512 float softmax_row(
     std::memset(prow, 0, width * sizeof(bf16));
     return 1.f;
   }
-  for (int64_t j = round_up(vis, 32); j < width; j += 32)
+  for (int64_t j = round_up(vis, kTile); j < width; j += kTile)
     _mm512_storeu_si512(prow + j, _mm512_setzero_si512());
   if (m != kNegInf) {
     const float sum = exp_row(p, srow, prow, vis, m);
@@ -518,7 +536,7 @@ ZEN_MLA_AVX512 void attend_item(
     const bf16* packed_k, const bf16* packed_v, Scratch& w, Ticks& ticks) {
   Clock clock(ticks);
   const int64_t bm = p.bm, bn = p.bn, rows = u.rows;
-  const int64_t mb = rows == bm ? bm : pow2_bucket(rows, 16, bm);  // M of every call
+  const int64_t mb = rows == bm ? bm : pow2_bucket(rows, kTileRows, bm);  // M of every call
   load_queries(p, s, u, head, w.qt);
   std::fill(w.m, w.m + rows, kNegInf);
   std::fill(w.l, w.l + rows, 0.f);
@@ -534,7 +552,7 @@ ZEN_MLA_AVX512 void attend_item(
     // sees no further (the padding's scores are computed, K is zero there or a key past the
     // diagonal, and masked)
     const int64_t half = bn / 2;
-    const int64_t width = kb.width == bn && half % 32 == 0 && nn <= half ? half : kb.width;
+    const int64_t width = kb.width == bn && half % kTile == 0 && nn <= half ? half : kb.width;
     const bf16* kp = w.kblock;
     const bf16* vp = w.vblock;
     if (s.packs_own) {
@@ -611,27 +629,31 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512bf16");
 }
 
-// Ragged attention into `out` [Tq, H, Dv] (any strides) and `lse` [H, Tq] fp32 when defined.
-// cu_seq_lens: int64 CPU tensors of B + 1 offsets, validated by the caller. The packed K and V
-// of all heads take at most `max_pack_bytes` (0: no limit), or one head's where that is more:
-// heads are packed and attended a group at a time.
+// `zen_mla::native_attend`'s CPU kernel: ragged attention into `out` [Tq, H, Dv] bf16 (any
+// strides) and `lse` [H, Tq] fp32 (any strides) when given. cu_seq_lens: contiguous int64 CPU
+// tensors of B + 1 offsets, validated by the caller (their bounds checked here again). The
+// packed K and V of all heads take at most `max_pack_bytes` (0: no limit), or one head's where
+// that is more: heads are packed and attended a group at a time. `parts`, when given: a
+// contiguous float64 tensor of kParts + 2, set to the seconds of each Part summed over the
+// threads, the call's wall time and the threads it used.
 void attend(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_cu,
     const at::Tensor& kv_cu, double scale, bool causal, at::Tensor& out,
-    const c10::optional<at::Tensor>& lse, int64_t bm, int64_t bn, int64_t max_pack_bytes,
-    const c10::optional<at::Tensor>& parts) {
+    const std::optional<at::Tensor>& lse, int64_t bm, int64_t bn, int64_t max_pack_bytes,
+    const std::optional<at::Tensor>& parts) {
   TORCH_CHECK(cpu_supported(), "zen_mla native: this CPU lacks AVX-512 BF16");
   const auto wall0 = std::chrono::steady_clock::now();
   const uint64_t tsc0 = __rdtsc();
-  RECORD_FUNCTION("zen_mla::native_attend", std::vector<c10::IValue>());  // for torch.profiler
   const int64_t heads = q.size(1), dqk = q.size(2), dv = v.size(2);
   check(q, "q", dqk);
   check(k, "k", dqk);
   check(v, "v", dv);
   check(out, "out", dv, false);
   TORCH_CHECK(dqk > 0 && dv > 0, "zen_mla native: head dims must be positive");
-  // key blocks are 32 wide at their tails (AMX tiles): a block of bn keys must be whole 32s
-  TORCH_CHECK(bm > 0 && bn > 0 && bn % 32 == 0, "zen_mla native: bad blocks ", bm, "x", bn);
+  // a block of bn keys must be whole tiles (a sequence's last block is one tile wide at least)
+  TORCH_CHECK(
+      bm > 0 && bn > 0 && bn % kTile == 0, "zen_mla native: bad blocks ", bm, "x", bn,
+      ": bm must be positive and bn a positive multiple of ", kTile);
   TORCH_CHECK(max_pack_bytes >= 0, "zen_mla native: max_pack_bytes < 0");
   TORCH_CHECK(k.size(1) == heads && v.size(1) == heads && out.size(1) == heads);
   TORCH_CHECK(k.size(0) == v.size(0) && out.size(0) == q.size(0), "zen_mla native: token counts");
@@ -639,14 +661,13 @@ void attend(
   TORCH_CHECK(q_cu.scalar_type() == at::kLong && kv_cu.scalar_type() == at::kLong);
   TORCH_CHECK(q_cu.is_contiguous() && kv_cu.is_contiguous() && q_cu.numel() == kv_cu.numel());
   TORCH_CHECK(q_cu.numel() >= 1, "zen_mla native: cu_seq_lens need B + 1 >= 1 entries");
-  float* lse_ptr = nullptr;
-  int64_t l_s0 = 0, l_s1 = 0;
+  Problem p;
   if (lse.has_value() && lse->defined()) {
     TORCH_CHECK(lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->dim() == 2);
     TORCH_CHECK(lse->size(0) == heads && lse->size(1) == q.size(0), "zen_mla native: lse shape");
-    lse_ptr = lse->data_ptr<float>();
-    l_s0 = lse->stride(0);
-    l_s1 = lse->stride(1);
+    p.lse = lse->data_ptr<float>();
+    p.l_s0 = lse->stride(0);
+    p.l_s1 = lse->stride(1);
   }
   double* parts_ptr = nullptr;
   if (parts.has_value() && parts->defined()) {
@@ -658,11 +679,27 @@ void attend(
   }
   if (heads == 0) return;
   const int64_t kq = qk_depth(dqk), nv = v_columns(dv);
-  Problem p{
-      q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), out.data_ptr<bf16>(), lse_ptr,
-      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-      out.stride(0), out.stride(1), out.stride(2), l_s0, l_s1, dqk, dv, bm, bn, kq, nv,
-      float(scale * kLog2e), causal};
+  p.q = q.data_ptr<bf16>();
+  p.q_s0 = q.stride(0);
+  p.q_s1 = q.stride(1);
+  p.k = k.data_ptr<bf16>();
+  p.k_s0 = k.stride(0);
+  p.k_s1 = k.stride(1);
+  p.v = v.data_ptr<bf16>();
+  p.v_s0 = v.stride(0);
+  p.v_s1 = v.stride(1);
+  p.out = out.data_ptr<bf16>();
+  p.o_s0 = out.stride(0);
+  p.o_s1 = out.stride(1);
+  p.o_s2 = out.stride(2);
+  p.dqk = dqk;
+  p.dv = dv;
+  p.bm = bm;
+  p.bn = bn;
+  p.kq = kq;
+  p.nv = nv;
+  p.scale_log2 = float(scale * kLog2e);
+  p.causal = causal;
 
   const int64_t nseq = q_cu.numel() - 1;
   const int64_t* qc = q_cu.data_ptr<int64_t>();
@@ -690,7 +727,7 @@ void attend(
     Seq s{qc[i], kc[i], sq, kc[i + 1] - kc[i], int64_t(blocks.size()), sq <= bm};
     seqs.push_back(s);
     for (int64_t n0 = 0; n0 < s.sk; n0 += bn) {
-      const int64_t nn = std::min(bn, s.sk - n0), width = pow2_bucket(nn, 32, bn);
+      const int64_t nn = std::min(bn, s.sk - n0), width = pow2_bucket(nn, kTile, bn);
       blocks.push_back({i, n0, nn, width, s.packs_own ? -1 : columns});
       if (!s.packs_own) columns += width;
     }
@@ -792,13 +829,25 @@ void attend(
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "zen-mla's native ragged MLA prefill attention (AVX-512 BF16 / AMX brgemm)";
-  m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernel (AVX-512 BF16)");
+// The operator: out, lse and parts are written (declared mutated), nothing is returned. The
+// block defaults are Zen's (native.py passes this CPU's own); `max_pack_bytes` 0 is no limit.
+// torch.profiler sees a call as `zen_mla::native_attend`; torch.ops releases the GIL for it.
+// Its fake kernel is registered by native.py, the Python module named here (torch names it
+// where a fake kernel is missing).
+TORCH_LIBRARY(zen_mla, m) {
+  m.set_python_module("zen_mla.attention.kernels.native");
   m.def(
-      "attend", &attend, "ragged attention into out (and lse)", py::arg("q"), py::arg("k"),
-      py::arg("v"), py::arg("q_cu_seq_lens"), py::arg("kv_cu_seq_lens"), py::arg("scale"),
-      py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("bm") = 128,
-      py::arg("bn") = 256, py::arg("max_pack_bytes") = 0, py::arg("parts") = py::none(),
-      py::call_guard<py::gil_scoped_release>());
+      "native_attend(Tensor q, Tensor k, Tensor v, Tensor q_cu_seq_lens, Tensor kv_cu_seq_lens, "
+      "float scale, bool causal, Tensor(a!) out, Tensor(b!)? lse, int bm=128, int bn=256, "
+      "int max_pack_bytes=0, Tensor(c!)? parts=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(zen_mla, CPU, m) { m.impl("native_attend", &attend); }
+
+// The Python module: importing it registers the operator; `cpu_supported` says whether the
+// operator may be called on this CPU.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zen-mla's native ragged MLA prefill attention (AVX-512 BF16 / AMX brgemm): "
+            "torch.ops.zen_mla.native_attend";
+  m.def("cpu_supported", &cpu_supported, "whether this CPU runs the kernel (AVX-512 BF16)");
 }

@@ -1,5 +1,9 @@
 """zen-mla's native MLA prefill kernel (`native.cpp`, built at install): the whole ragged batch in
-one call, Dqk and Dv apart (V never padded to Dqk), bottom-right causal, fp32-accurate LSE."""
+one call, Dqk and Dv apart (V never padded to Dqk), bottom-right causal, fp32-accurate LSE.
+
+The kernel is the torch operator `torch.ops.zen_mla.native_attend` (`OPERATOR`), registered by
+importing the extension; its fake kernel (shapes without data, for torch.compile and
+FakeTensorMode) is registered here, as the extension loads."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from .base import AttentionKernel, KernelCall
 __all__ = [
     "AMX_BLOCKS",
     "EXTENSION",
+    "OPERATOR",
     "PACK_FLOOR_BYTES",
     "ZEN_BLOCKS",
     "NativeKernel",
@@ -49,14 +54,53 @@ PACK_FLOOR_BYTES = 32 << 20
 #: the widest Dqk (and Dv) one brgemm call takes, as native.cpp's kChunk
 _CHUNK = 256
 
+#: keys a packed key block's width is a whole number of (its AMX tiles' depth), as native.cpp's
+#: kTile: a sequence's last block is packed a power of two from it
+_TILE = 32
+
 #: the extension's module, built by setup.py from native.cpp
 EXTENSION = "zen_mla.attention.kernels._native"
+#: the operator the extension registers (`torch.ops.zen_mla.native_attend`): it writes `out`
+#: and `lse` (and `parts`) and returns nothing
+OPERATOR = "zen_mla::native_attend"
 #: written by setup.py next to where the extension would be when it was not built, with why
 _UNBUILT = Path(__file__).with_name("_native_unbuilt.txt")
 
 
 def _load() -> ModuleType:
-    return importlib.import_module(EXTENSION)
+    """The extension's module, imported (which registers `OPERATOR`), with the operator's fake
+    kernel registered."""
+    module = importlib.import_module(EXTENSION)
+    _register_fake()
+    return module
+
+
+def _fake_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu_seq_lens: torch.Tensor,
+    kv_cu_seq_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    bm: int = 128,
+    bn: int = 256,
+    max_pack_bytes: int = 0,
+    parts: torch.Tensor | None = None,
+) -> None:
+    """`OPERATOR` without data: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] bf16,
+    q_cu_seq_lens and kv_cu_seq_lens [B + 1] int64; it writes out [Tq, H, Dv] bf16, lse
+    [H, Tq] fp32 and parts [8] float64 where given, and returns nothing, so nothing here
+    has a shape to compute."""
+
+
+@functools.cache
+def _register_fake() -> None:
+    """Registers `_fake_attend` as `OPERATOR`'s fake kernel (and its Meta kernel), once; the
+    operator must exist (the extension imported)."""
+    torch.library.register_fake(OPERATOR)(_fake_attend)
 
 
 @functools.cache
@@ -137,7 +181,7 @@ class NativeKernel(AttentionKernel):
             return
         # The kernel writes host memory, any strides; a device `out` takes the result by a copy.
         dst = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
-        module.attend(
+        torch.ops.zen_mla.native_attend(
             batch.q,
             batch.k,
             batch.v,
@@ -195,7 +239,7 @@ class NativeKernel(AttentionKernel):
                 *(bn * kq * 2, bn * nv * 2),
             )
         )
-        seqs = batch.num_requests
+        seqs = batch.num_seqs
         # native.cpp's Seq: 6 words, KeyBlock 5, Unit 7, a packing slice 2 (one a block's 64
         # packed keys); cu_seq_lens: B + 1 int64 each
         slices = key_blocks + ahead // 64
@@ -237,8 +281,8 @@ def _plan(batch: RaggedBatch) -> tuple[int, int, int, int]:
     q = torch.tensor(qc, dtype=torch.int64)
     sk, sq = k[1:] - k[:-1], q[1:] - q[:-1]
     tail = sk % bn
-    # a tail's width: the power of two from 32 that holds it, at most bn
-    width = torch.full_like(tail, 32)
+    # a tail's width: the power of two from _TILE that holds it, at most bn
+    width = torch.full_like(tail, _TILE)
     while bool((width < tail).any()):
         width = torch.where(width < tail, width * 2, width)
     width = sk - tail + torch.where(tail > 0, torch.clamp(width, max=bn), 0)
@@ -253,7 +297,12 @@ def _plan(batch: RaggedBatch) -> tuple[int, int, int, int]:
 
 def _tail_width(n: int) -> int:
     """The packed width of a last key block of `n` keys (native.cpp's pow2_bucket)."""
-    width = 32
+    width = _TILE
     while width < n:
         width *= 2
     return min(width, blocks()[1])
+
+
+# Where the extension was imported before this module (the operator defined): its fake kernel.
+if hasattr(torch.ops.zen_mla, "native_attend"):
+    _register_fake()
