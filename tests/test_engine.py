@@ -54,7 +54,7 @@ def test_result_matches_the_reference_and_names_its_kernels(engine, return_lse):
     assert result.kernels == job.kernels
     assert_close_to_reference(q, k, v, q_cu, kv_cu, True, result.out, result.lse)
     request = job.request
-    assert (request.num_requests, request.num_q_tokens, request.num_kv_tokens) == (3, 37, 53)
+    assert (request.num_seqs, request.num_q_tokens, request.num_kv_tokens) == (3, 37, 53)
     result.release()
 
 

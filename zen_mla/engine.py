@@ -111,8 +111,8 @@ class PrefillRequest:
     cost: Cost
 
     @property
-    def num_requests(self) -> int:
-        return self.batch.num_requests
+    def num_seqs(self) -> int:
+        return self.batch.num_seqs
 
     @property
     def num_q_tokens(self) -> int:

@@ -87,7 +87,16 @@ def test_good_input_passes():
     assert out.shape == (10, 2, 8)
 
 
-def test_zero_tokens_and_zero_requests_are_valid():
+def test_a_batch_counts_its_sequences_and_the_old_name_still_answers():
+    from zen_mla.attention import validate
+
+    batch = validate(**_good(), causal=True, scale=None)
+    assert batch.num_seqs == len(_good()["q_cu_seq_lens"]) - 1
+    with pytest.warns(DeprecationWarning, match="num_seqs"):
+        assert batch.num_requests == batch.num_seqs
+
+
+def test_zero_tokens_and_zero_sequences_are_valid():
     q = torch.empty(0, 2, 16)
     v = torch.empty(0, 2, 8)
     out, lse = zen_mla.ragged_attention(q, q, v, torch.tensor([0]), return_lse=True)

@@ -82,7 +82,7 @@ def ragged_attention(
     scale: float | None = None,
     kernel: str = "auto",
 ) -> PrefillOutput:
-    """Attention over a ragged ("varlen") batch of `B` requests, as flash-attn's varlen API.
+    """Attention over a ragged ("varlen") batch of `B` sequences, as flash-attn's varlen API.
 
     Args:
         q: `[Tq, H, Dqk]`, bf16, fp16 or fp32.
@@ -90,7 +90,7 @@ def ragged_attention(
         v: `[Tk, H, Dv]`, q's dtype, `Dv <= Dqk` (MLA: Dqk = 192, Dv = 128).
         q_cu_seq_lens: `[B + 1]` int32/int64 offsets into q, `0 = c[0] <= ... <= c[B] = Tq`.
         kv_cu_seq_lens: `[B + 1]` offsets into k/v; None means `q_cu_seq_lens`.
-        causal: query i of a request sees keys `j <= i + Sk - Sq` (bottom-right aligned).
+        causal: query i of a sequence sees keys `j <= i + Sk - Sq` (bottom-right aligned).
         return_lse: also return the softmax log-sum-exp, fp32-accurate whatever `kernel`.
         scale: score scale, default `Dqk ** -0.5`.
         kernel: "auto" | "native" | "zentorch" | "torch" | "reference", what computes `out`.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ SMALL_BATCH = 64
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
-    """(query, key) pairs a request computes; causal is bottom-right aligned (query i sees keys
+    """(query, key) pairs a sequence computes; causal is bottom-right aligned (query i sees keys
     j <= i + sk - sq)."""
     if not causal:
         return sq * sk
@@ -49,7 +50,7 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
 def total_visible_pairs(
     q_cu_seq_lens: Sequence[int], kv_cu_seq_lens: Sequence[int], causal: bool
 ) -> int:
-    """`visible_pairs` summed over a batch's requests: in Python for a few requests, else in one
+    """`visible_pairs` summed over a batch's sequences: in Python for a few sequences, else in one
     pass of int64 tensor arithmetic (exact below 2^63: offsets are below 2^48 and a service caps
     the work far lower)."""
     if len(q_cu_seq_lens) <= SMALL_BATCH:
@@ -70,7 +71,7 @@ def total_visible_pairs(
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """`count` consecutive requests of one shape: queries `[q_start, q_start + count * sq)`,
+    """`count` consecutive sequences of one shape: queries `[q_start, q_start + count * sq)`,
     keys/values `[kv_start, kv_start + count * sk)`. Equal-shape neighbours are handed to a kernel
     as one `[count, H, S, D]` batch, a strided view of the ragged tensors (no copy)."""
 
@@ -111,13 +112,23 @@ class RaggedBatch:
         return int(self.v.shape[2])
 
     @property
-    def num_requests(self) -> int:
+    def num_seqs(self) -> int:
+        """B, the batch's sequences."""
         return len(self.q_cu_seq_lens) - 1
 
+    @property
+    def num_requests(self) -> int:
+        """Deprecated name of `num_seqs` (a batch's rows are sequences; a request is what the
+        service is asked); removed in 0.3."""
+        warnings.warn(
+            "RaggedBatch.num_requests is deprecated: use num_seqs", DeprecationWarning, stacklevel=2
+        )
+        return self.num_seqs
+
     def runs(self) -> Iterator[Run]:
-        """Requests grouped into maximal runs of equal `(Sq, Sk)`, in order."""
+        """Sequences grouped into maximal runs of equal `(Sq, Sk)`, in order."""
         qc, kc = self.q_cu_seq_lens, self.kv_cu_seq_lens
-        r, b = 0, self.num_requests
+        r, b = 0, self.num_seqs
         while r < b:
             sq, sk = qc[r + 1] - qc[r], kc[r + 1] - kc[r]
             n = 1

@@ -1,5 +1,5 @@
-"""The ragged-batch driver: a validated varlen batch through one kernel, request run by request
-run (equal-shape neighbours as one strided call), bottom-right causal, V padded once; or, to a
+"""The ragged-batch driver: a validated varlen batch through one kernel, sequence by sequence
+(equal-shape neighbours as one strided call), bottom-right causal, V padded once; or, to a
 kernel that takes whole batches (`ragged`), in one call."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def attend(
         kernel.forward_ragged(batch, out, lse if return_lse else None)
     elif kernel.needs_equal_head_dims and dv < dqk:
         # The fused kernels want Dv == Dqk: pad V once for the whole batch (one copy, Tk rows)
-        # rather than once per request; the padded columns of `out` are never copied out.
+        # rather than once per sequence; the padded columns of `out` are never copied out.
         with padded(batch.v, dqk) as v:
             _attend_runs(batch, kernel, v, out, lse, return_lse)
     else:

@@ -1,6 +1,6 @@
 """Merging partial attention results by their log-sum-exp, as vLLM's `merge_attn_states`.
 
-Attention over a request's keys split into disjoint parts (new tokens causal, cached context in
+Attention over a sequence's keys split into disjoint parts (new tokens causal, cached context in
 chunks non-causal) is each part's `out` weighted by `exp(lse_part - lse_all)`, where `lse_all`
 is the log-sum-exp of the parts' LSEs. Every LSE here is `[H, T]`, natural log, and every
 output `[T, H, D]`, as vLLM lays them out.

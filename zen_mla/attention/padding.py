@@ -3,7 +3,7 @@
 A fresh padded copy of a large V costs more in page faults than in copying: glibc maps any
 allocation over 32 MiB afresh, and each 4 KiB page faults on first touch (measured on a Zen 5
 KVM guest: padding `chunk`'s V, 8192 x 16 x 128 bf16, took 16 ms into fresh memory and 1.2 ms
-into reused memory; vLLM's loop pads per request, 12 MiB at a time, which glibc recycles).
+into reused memory; vLLM's loop pads per sequence, 12 MiB at a time, which glibc recycles).
 """
 
 from __future__ import annotations

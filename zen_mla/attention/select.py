@@ -78,7 +78,7 @@ def _zentorch_probe() -> tuple[bool, str | None, bool, str]:
 def _reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp64 out `[Sq, H, Dv]` and lse `[H, Sq]` of one request, bottom-right causal."""
+    """fp64 out `[Sq, H, Dv]` and lse `[H, Sq]` of one sequence, bottom-right causal."""
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
     sq, sk = q.shape[0], k.shape[0]
     if causal:
@@ -89,17 +89,17 @@ def _reference(
     return torch.einsum("hqk,khd->qhd", probs, v.double()), lse
 
 
-#: (Sq, Sk) per request and causal: every path of the driver, MLA-like Dv < Dqk. Causal:
+#: (Sq, Sk) per sequence and causal: every path of the driver, MLA-like Dv < Dqk. Causal:
 #: the square triangle, prefix-cached `Sq < Sk` (the additive mask), `Sq > Sk` (rows that see
-#: no key) and a request with no keys; non-causal: `Sq != Sk` both ways.
+#: no key) and a sequence with no keys; non-causal: `Sq != Sk` both ways.
 _LSE_PROBE_CASES = (
     (((40, 40), (7, 29), (9, 4), (3, 0)), True, torch.bfloat16),
     (((5, 11), (12, 6)), False, torch.bfloat16),
     (((40, 40), (7, 29)), True, torch.float32),
 )
 
-#: the native kernel's, besides: more than one query block and key block per request (128 x
-#: 256), a last block of one key, empty and one-token requests, MLA's head dims
+#: the native kernel's, besides: more than one query block and key block per sequence (128 x
+#: 256), a last block of one key, empty and one-token sequences, MLA's head dims
 _NATIVE_PROBE_CASES = (
     (((40, 40), (7, 29), (9, 4), (3, 0), (0, 5), (1, 1)), True, torch.bfloat16),
     (((5, 11), (12, 6), (70, 257)), False, torch.bfloat16),
@@ -391,7 +391,7 @@ def select_kernel(kernel: str, dtype: torch.dtype, *, return_lse: bool) -> type[
     their own precision (with `return_lse`, also give a trusted LSE), the one the calibration
     measured fastest (`attention.calibrate`; the first where it is off). A named kernel that
     cannot run raises KernelUnavailableError with its reason. With `return_lse`, a named kernel
-    whose LSE is not trusted here (zentorch where its probe failed) hands the whole request
+    whose LSE is not trusted here (zentorch where its probe failed) hands the whole batch
     (out and lse from one softmax, so they merge consistently) to the kernel "auto" would take
     for an LSE: torch's flash kernel.
     """

@@ -1,13 +1,13 @@
 """Splitting a ragged batch into pieces of similar cost and spreading them over the workers.
 
-Cost of a request is its visible (query, key) pairs times its heads. A request costing more than
+Cost of a sequence is its visible (query, key) pairs times its heads. A sequence costing more than
 half a worker's fair share (and more than the smallest piece worth a hop) is split by heads, and
 where there are fewer heads than pieces it needs (16 heads over 12 CCXs, or 8 heads per TP rank),
-by blocks of queries of equal cost too, so one long request keeps every CCX busy; runs of cheap
-requests are packed together whole, up to one share (the kernel batches equal lengths), and
-pieces go longest-first to the least-loaded worker (LPT: within 4/3 of the best makespan).
+by blocks of queries of equal cost too, so one long sequence keeps every CCX busy; runs of cheap
+sequences are packed together whole, up to one share (the kernel batches equal lengths), and pieces
+go longest-first to the least-loaded worker (LPT: within 4/3 of the best makespan).
 
-A block of queries `[a, b)` of a causal request is itself a bottom-right causal request: it sees
+A block of queries `[a, b)` of a causal sequence is itself a bottom-right causal sequence: it sees
 keys `[0, b + Sk - Sq)`, so a worker runs it like any other.
 """
 
@@ -106,8 +106,8 @@ def schedule(
     workers: int,
     min_piece_cost: int = 1,
 ) -> list[list[Piece]]:
-    """Pieces per worker (some lists may be empty), covering every (request, head) that has
-    queries once; requests whose queries see no key cost nothing and ride in a pack, where the
+    """Pieces per worker (some lists may be empty), covering every (sequence, head) that has
+    queries once; sequences whose queries see no key cost nothing and ride in a pack, where the
     worker writes their out = 0, lse = -inf like any other blind rows. No piece is made smaller
     than `min_piece_cost` by splitting (a batch costing less runs whole on one worker), and with
     one worker nothing is split: its pieces would run one after another anyway."""
@@ -119,7 +119,7 @@ def schedule(
     total = sum(costs)
     plan: list[list[Piece]] = [[] for _ in range(workers)]
     share = max(total / workers, min_piece_cost, 1)  # a worker's fair share
-    # requests above the grain are split by heads (and query blocks)
+    # sequences above the grain are split by heads (and query blocks)
     grain = max(share / 2, min_piece_cost) if workers > 1 else math.inf
     pieces: list[Piece] = []
     r = 0
@@ -142,7 +142,7 @@ def schedule(
             r += 1
             continue
         r1, acc = r, 0
-        # pack up to a whole share: each kernel call then batches as many requests as it can
+        # pack up to a whole share: each kernel call then batches as many sequences as it can
         while r1 < b and costs[r1] <= grain and acc + costs[r1] <= share:
             acc += costs[r1]
             r1 += 1

@@ -25,7 +25,7 @@ def round32(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CallShape:
-    """The shape of one `forward` call: `n` requests of `heads` heads, `sq` queries against
+    """The shape of one `forward` call: `n` sequences of `heads` heads, `sq` queries against
     `sk` keys, head dims `dqk` and `dv` (as the kernel gets them: V padded where it wants equal
     dims), elements of `itemsize` bytes, the LSE asked or not."""
 
@@ -55,7 +55,7 @@ class CallShape:
 
 @dataclass(frozen=True, slots=True)
 class KernelCall:
-    """One kernel call over `n` equal-length requests of a batch.
+    """One kernel call over `n` equal-length sequences of a batch.
 
     q: `[n, H, Sq, D]`, k: `[n, H, Sk, D]`, v: `[n, H, Sk, Dv]` (any strides, unit last
     stride). `causal` is the top-left triangle and comes only with `Sq == Sk`; other masks come
@@ -74,7 +74,7 @@ class KernelCall:
 
 
 class AttentionKernel:
-    """One dense attention kernel over a batch of equal-length requests.
+    """One dense attention kernel over a batch of equal-length sequences.
 
     Capabilities are class-level. Each kernel says from the host's facts, probed once per
     process, whether it can run here, whether "auto" may take it, and whether its LSE is
@@ -86,7 +86,7 @@ class AttentionKernel:
     #: wants `Dv == Dqk`: the driver pads V once per batch and slices the padding off `out`
     needs_equal_head_dims: ClassVar[bool]
     #: takes the whole ragged batch in one call (`forward_ragged`), bottom-right causal and
-    #: rows that see no key included, rather than runs of equal-length requests (`forward`)
+    #: rows that see no key included, rather than runs of equal-length sequences (`forward`)
     ragged: ClassVar[bool] = False
     #: input dtypes computed at their own precision
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,7 +133,7 @@ class AttentionKernel:
 
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of `call`'s requests: out `[n, H, Sq, Dv]` in q's dtype (any strides)
+        """Attention of `call`'s sequences: out `[n, H, Sq, Dv]` in q's dtype (any strides)
         and, when `call.return_lse`, lse `[n, H, Sq]` fp32."""
         raise NotImplementedError
 

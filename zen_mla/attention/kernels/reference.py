@@ -16,7 +16,7 @@ SCORE_BUDGET_BYTES = 64 << 20
 
 
 class ReferenceKernel(AttentionKernel):
-    """vLLM's fp32 per-request path, blocked over queries so memory stays bounded."""
+    """vLLM's fp32 per-sequence path, blocked over queries so memory stays bounded."""
 
     name: ClassVar[str] = "reference"
     needs_equal_head_dims: ClassVar[bool] = False

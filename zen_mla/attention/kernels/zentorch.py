@@ -63,7 +63,7 @@ class ZentorchKernel(AttentionKernel):
     @classmethod
     def forward(cls, call: KernelCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Strided [n, H, S, D] views of the ragged [T, H, D] tensors are read in place: the
-        # kernel takes any strides, so no per-request .contiguous() as in vLLM's loop.
+        # kernel takes any strides, so no per-sequence .contiguous() as in vLLM's loop.
         if not call.return_lse:
             out, _garbage = zentorch_sdpa(call)
             return out, None
