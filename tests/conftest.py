@@ -9,8 +9,8 @@ from zen_mla.attention.select import host_facts
 STARTS_WORKERS = {"pool", "engine"}
 
 
-def _skip_reasons() -> dict[str, str]:
-    """Marker -> why its tests skip on this host ('' where they run)."""
+def _skip_reasons() -> dict[str, str | None]:
+    """Marker -> why its tests skip on this host (None where they run)."""
     host = host_facts()
     return {
         "zentorch": host.zentorch_failure and f"zentorch unusable: {host.zentorch_failure}",

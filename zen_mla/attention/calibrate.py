@@ -115,7 +115,7 @@ class Calibration:
 def build_facts(host: HostFacts) -> dict[str, Any]:
     """What a calibration's figures hold for: the CPU and the host's count of them, and the
     builds of torch, zentorch, zen-mla and its native extension."""
-    module = native_module()[0] if not host.native_failure else None
+    module = native_module()[0] if host.native_failure is None else None
     stat = os.stat(module.__file__) if module is not None and module.__file__ else None
     try:
         ours = importlib.metadata.version("zen-mla")

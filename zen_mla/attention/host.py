@@ -61,7 +61,8 @@ def cpu_facts() -> CpuFacts:
 class HostFacts:
     """What each kernel reads to say whether it can run here (`AttentionKernel`'s reasons).
 
-    A failure is '' where the probe passed, else why it did not, in words for an error message.
+    A failure is None where the probe passed, else why it did not, in words for an error
+    message.
     """
 
     cpu: CpuFacts
@@ -70,9 +71,9 @@ class HostFacts:
     #: the installed distribution's version, None where there is none
     zentorch_version: str | None
     #: zentorch_sdpa exists and agreed with fp32 math on a small causal case
-    zentorch_failure: str
+    zentorch_failure: str | None
     #: besides, its LSE route agreed with fp64 on every path of the ragged driver
-    zentorch_lse_failure: str
+    zentorch_lse_failure: str | None
     #: zen-mla's native kernel is built, the CPU runs it, and its out and LSE agreed with fp64
     #: on every case of the start-up probe
-    native_failure: str
+    native_failure: str | None

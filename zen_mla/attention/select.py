@@ -43,8 +43,8 @@ __all__ = [
 KERNEL_NAMES = ("auto", *KERNELS)
 
 
-def probe_op(op: Any) -> str:
-    """Run the op once on a small causal case; '' if it agrees with fp32 math, else why not."""
+def probe_op(op: Any) -> str | None:
+    """Run the op once on a small causal case; None if it agrees with fp32 math, else why not."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 32, generator=gen) for _ in range(3))
     scale = 32**-0.5
@@ -58,11 +58,11 @@ def probe_op(op: Any) -> str:
     err = (got.float() - expected).abs().max().item()
     if not err < 0.05:  # bf16 inputs: ~1e-2 is normal, and NaN fails too
         return f"zentorch_sdpa disagrees with fp32 math on this CPU (max error {err:.3g})"
-    return ""
+    return None
 
 
 @functools.cache
-def _zentorch_probe() -> tuple[bool, str | None, bool, str]:
+def _zentorch_probe() -> tuple[bool, str | None, bool, str | None]:
     try:
         version: str | None = importlib.metadata.version("zentorch")
     except importlib.metadata.PackageNotFoundError:
@@ -72,7 +72,7 @@ def _zentorch_probe() -> tuple[bool, str | None, bool, str]:
         why = "zentorch is not installed" if version is None else "zentorch has no zentorch_sdpa"
         return version is not None, version, False, why
     failure = probe_op(op)
-    return True, version, not failure, failure
+    return True, version, failure is None, failure
 
 
 def _reference(
@@ -107,7 +107,7 @@ _NATIVE_PROBE_CASES = (
 )
 
 
-def probe_lse() -> str:
+def probe_lse() -> str | None:
     """zentorch's LSE route against fp64 (`probe_kernel`)."""
     return probe_kernel(ZentorchKernel, _LSE_PROBE_CASES, (2, 48, 32), "zentorch_sdpa's LSE route")
 
@@ -117,9 +117,9 @@ def probe_kernel(
     cases: tuple[tuple[tuple[tuple[int, int], ...], bool, torch.dtype], ...],
     heads: tuple[int, int, int],
     what: str,
-) -> str:
+) -> str | None:
     """Run `kernel` with its LSE through the ragged driver on the probe cases against fp64;
-    '' when every LSE is within 1e-3 (and -inf exactly where a query sees no key) and every
+    None when every LSE is within 1e-3 (and -inf exactly where a query sees no key) and every
     `out` within its dtype's rounding, else what went wrong."""
     gen = torch.Generator().manual_seed(0)
     for lens, causal, dtype in cases:
@@ -153,7 +153,7 @@ def probe_kernel(
                     f"{what} disagrees with fp64 on {case}: lse error "
                     f"{lse_err:.3g} (allowed 1e-3), out error {out_err:.3g} (allowed {out_tol})"
                 )
-    return ""
+    return None
 
 
 def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -161,7 +161,7 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @functools.cache
-def _native_probe() -> str:
+def _native_probe() -> str | None:
     return native_unavailable() or probe_kernel(
         NativeKernel, _NATIVE_PROBE_CASES, (2, 192, 128), "zen-mla's native kernel"
     )
@@ -350,15 +350,15 @@ def host_status() -> HostStatus:
     return HostStatus(
         installed=host.zentorch_installed,
         version=host.zentorch_version,
-        sdpa_ok=not host.zentorch_failure,
-        sdpa_lse_ok=not host.zentorch_failure and not host.zentorch_lse_failure,
+        sdpa_ok=host.zentorch_failure is None,
+        sdpa_lse_ok=host.zentorch_failure is None and host.zentorch_lse_failure is None,
         cpu=host.cpu,
         auto_kernel=auto.kernel.name,
         reason=auto.reason,
         lse_kernel=lse.kernel.name,
         lse_reason=lse.reason,
-        native_ok=not host.native_failure,
-        native_reason=host.native_failure or None,
+        native_ok=host.native_failure is None,
+        native_reason=host.native_failure,
         calibration=auto.calibration,
         lse_calibration=lse.calibration,
     )

@@ -104,8 +104,8 @@ def _register_fake() -> None:
 
 
 @functools.cache
-def native_module() -> tuple[ModuleType | None, str]:
-    """The built extension, or None and why it cannot run here ('' where it can)."""
+def native_module() -> tuple[ModuleType | None, str | None]:
+    """The built extension and None, or None and why it cannot run here."""
     try:
         module = _load()
     except ImportError as exc:
@@ -116,7 +116,7 @@ def native_module() -> tuple[ModuleType | None, str]:
         return None, f"zen-mla's native kernel is not available: {why}"
     if not module.cpu_supported():
         return None, "zen-mla's native kernel needs AVX-512 BF16, which this CPU lacks"
-    return module, ""
+    return module, None
 
 
 @functools.cache
@@ -126,8 +126,9 @@ def blocks() -> tuple[int, int]:
     return AMX_BLOCKS if cpu_facts().amx_bf16 else ZEN_BLOCKS
 
 
-def native_unavailable() -> str:
-    """'' where the extension is built and the CPU runs it, else why not (no probe run)."""
+def native_unavailable() -> str | None:
+    """Why the extension cannot run here (not built, or the CPU cannot), None where it can (no
+    probe run)."""
     return native_module()[1]
 
 
@@ -147,11 +148,11 @@ class NativeKernel(AttentionKernel):
 
     @classmethod
     def unavailable_reason(cls, host: HostFacts) -> str | None:
-        return host.native_failure or None
+        return host.native_failure
 
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
-        return host.native_failure or None
+        return host.native_failure
 
     @classmethod
     def work(cls, batch: RaggedBatch) -> int:

@@ -48,11 +48,11 @@ class ZentorchKernel(AttentionKernel):
 
     @classmethod
     def unavailable_reason(cls, host: HostFacts) -> str | None:
-        return host.zentorch_failure or None
+        return host.zentorch_failure
 
     @classmethod
     def lse_unavailable_reason(cls, host: HostFacts) -> str | None:
-        return host.zentorch_lse_failure or None
+        return host.zentorch_lse_failure
 
     @classmethod
     def call_bytes(cls, shape: CallShape, threads: int) -> int:
