@@ -6,7 +6,7 @@ uvicorn's httptools and h11.
     .venv/bin/python bench/e2e.py [--reps 7]
 
 Starts its own `zen-mla serve` processes on free loopback ports and stops them (the httptools
-one with ZEN_MLA_SYSTEM_SHM=true). Prints Markdown tables (the README has them) and writes
+one with ZEN_MLA_SYSTEM_SHM=true). Prints Markdown tables (docs/benchmarks.md has them) and writes
 bench/out/e2e.png. Columns of the main table, all paired and interleaved with in-process:
 
 - tcp, uds: PrefillClient over loopback TCP / a Unix socket, the tensors in the body;

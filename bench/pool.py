@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pool.py [--reps 7]
 
-Prints Markdown tables (the README has them) and writes bench/out/pool.png. Paired runs in one
+Prints Markdown tables (docs/benchmarks.md) and writes bench/out/pool.png. Paired runs in one
 run of this script; quote the ratios, not the milliseconds.
 """
 

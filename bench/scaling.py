@@ -4,9 +4,9 @@ this process's CPUs (or `--threads`), useful GFLOP/s and the speed-up from half 
     .venv/bin/python bench/scaling.py [--threads 1,8,16] [--kernels native,torch] [--reps 5]
 
 A kernel that gives each thread a share of a call's work runs faster with more threads; one
-whose work split leaves threads idle, or whose threads fight over memory, does not (issue 32:
-`chunk` on the `torch` kernel ran at 585 GFLOP/s on 8 cores of a 16-core Xeon and 492 on 16).
-Issue 32's target: `chunk` at 16 threads >= 1.5x its 8-thread speed. Paired medians per thread
+whose work split leaves threads idle, or whose threads fight over memory, does not (`chunk`
+on the `torch` kernel ran at 585 GFLOP/s on 8 cores of a 16-core Xeon and 492 on 16). The
+target: `chunk` at 16 threads >= 1.5x its 8-thread speed. Paired medians per thread
 count (the kernels interleaved); prints a Markdown table; writes bench/out/scaling.json.
 """
 

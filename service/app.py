@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
-from zen_mla import ZenMLAError
+from zen_mla import ZenMLAError, __version__
 from zen_mla.attention import host_status
 from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine
 from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
             if state.engine is not None:
                 await asyncio.to_thread(state.engine.close, settings.drain_timeout_s)
 
-    app = FastAPI(title="zen-mla", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="zen-mla", version=__version__, lifespan=lifespan)
     app.state.service = state
     kserve.add_routes(app, state)
     health.add_routes(app, state)

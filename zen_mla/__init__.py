@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KernelChoice",
+    "__version__",
     "host_kernels",
     "kernel_choice",
     "ragged_attention",
@@ -30,7 +31,7 @@ __all__ = [
 ]
 __all__ += errors.__all__
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "KernelChoice": ".attention",

@@ -44,7 +44,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         },
     )
     async def prefill(request: Request) -> Response:
-        """Ragged MLA prefill attention (see CONTRACT.md)."""
+        """Ragged MLA prefill attention (docs/protocol.md)."""
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         form: Form[Response]
         if media == regions_json.MEDIA_TYPE and state.regions is not None:

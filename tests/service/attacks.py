@@ -1,5 +1,5 @@
 """Attacks on a real server and the legitimate client that must get through them
-(CONTRACT.md, "Abuse"): the attacks connect from 127.0.0.1, the legitimate client from
+(docs/protocol.md, "Limits"): the attacks connect from 127.0.0.1, the legitimate client from
 127.0.0.2, so the door tells them apart as it tells two hosts apart; `during` times a
 legitimate client's rounds (HTTP here, or the region socket's) while an attack runs."""
 

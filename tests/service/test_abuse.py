@@ -1,5 +1,5 @@
-"""Clients that are slow, idle or lie (CONTRACT.md, "Abuse"), against real servers: none of them
-keeps the service from others, and every refusal arrives as a readable problem+json."""
+"""Clients that are slow, idle or lie (docs/protocol.md, "Limits"), against real servers: none of
+them keeps the service from others, and every refusal arrives as a readable problem+json."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What a request costs is counted by the service, not by what its client sends (CONTRACT.md,
-"Abuse"), on a real server: a small body whose kernel would allocate far more is charged that
+"""What a request costs is counted by the service, not by what its client sends (docs/clients.md),
+on a real server: a small body whose kernel would allocate far more is charged that
 (refused where it can never fit), the worker's memory stays within what was charged, and an
 answer nobody reads stays charged to its client until it is cut for being read too slowly, its
 memory back."""

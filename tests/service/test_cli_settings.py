@@ -17,8 +17,8 @@ from service import cli
 from service.cli import build_parser, settings_from_args
 from service.settings import Settings
 
-#: the flags `zen-mla serve` had when they were made from Settings (CONTRACT.md: flag names
-#: are part of the contract): renaming a field renames its flag, which this list refuses
+#: the flags `zen-mla serve` had when they were made from Settings (docs/settings.md: flag
+#: names are part of the protocol): renaming a field renames its flag, which this list refuses
 FLAGS = [
     "--host",
     "--port",

@@ -1,6 +1,6 @@
-"""One door for every body (CONTRACT.md, "Abuse"), attacked on real servers as a slow, silent or
-lying client would: while any one attack runs, a legitimate request is answered correctly within
-15 s. Each attack here got the better of an earlier service (issue 18's numbered defects)."""
+"""One door for every body (docs/protocol.md, "Limits"), attacked on real servers as a slow, silent
+or lying client would: while any one attack runs, a legitimate request is answered correctly within
+15 s."""
 
 from __future__ import annotations
 
@@ -111,17 +111,17 @@ def test_silent_bodies_do_not_lock_others_out(door, head):
 
 
 def test_announced_gigabytes_sent_slowly_do_not_starve_the_budget(door):
-    """Defect 4: two uploads announcing 128 MiB each against a 256 MiB budget, sent at
-    1.1 MB/s: the announced sizes took the whole budget (every other request 429 for the
-    deadline). Now the budget holds what came (a window ahead of it), so others are served."""
+    """Two uploads announcing 128 MiB each against a 256 MiB budget, sent at 1.1 MB/s: the
+    budget holds what came (a window ahead of it), not what was announced, so others are
+    served."""
     waits = _during(lambda stop: trickle(door, 128 * MIB, 2, 1.1e6, stop), door, 1.5)
     assert max(waits.seconds) < LOCKOUT_S, waits
 
 
 def test_upload_slots_taken_by_uploads_just_above_the_minimum_rate_leave_others_a_share(door):
-    """Defect 4 (slots): uploads just above the minimum rate filled every upload slot (4 here,
-    32 by default) until they ended. Now another client takes a slot within its share, and the
-    uploads keeping up with the advertised minimum are never cut off for it (issue 30)."""
+    """Uploads just above the minimum rate on every upload slot (4 here, 32 by default):
+    another client takes a slot within its share, and the uploads keeping up with the
+    advertised minimum are never cut off for it."""
     before = requests_counted(door, ("prefill",), 408)
     waits = _during(lambda stop: trickle(door, 64 * MIB, 4, 1.1e6, stop), door, 2.0)
     assert max(waits.seconds) < LOCKOUT_S, waits
@@ -132,8 +132,8 @@ def test_upload_slots_taken_by_uploads_just_above_the_minimum_rate_leave_others_
 
 
 def test_too_many_sequences_is_a_422_naming_the_cap_before_any_work(door):
-    """Defect 2: 16M empty sequences in one valid request blocked the event loop for 10-14 s.
-    Now the sequence count is capped (max_seqs) before anything is read per sequence."""
+    """200,000 empty sequences in one valid request: the sequence count is capped (max_seqs)
+    before anything is read per sequence, so the event loop never blocks on them."""
     t = good_tensors()
     n = 200_000
     cu = torch.zeros(n + 1, dtype=torch.int32)
@@ -184,9 +184,9 @@ def test_health_answers_within_100_ms_during_a_request_at_the_sequence_cap(door)
 
 @pytest.mark.slow
 def test_a_flood_of_idle_connections_does_not_keep_clients_out(tmp_path):
-    """Defect 7: one process holding more idle sockets than the cap, reopening them as they
-    close, kept every legitimate client out (0/20). At the cap a new connection now takes the
-    place of the one idle longest."""
+    """One process holding more idle sockets than the cap, reopening them as they close: at
+    the cap a new connection takes the place of the one idle longest, so legitimate clients
+    get in."""
     cap = 16
     with serve(tmp_path, workers=1, max_connections=cap) as server:
 
@@ -259,9 +259,9 @@ def test_at_the_cap_connections_with_a_request_in_flight_are_kept(tmp_path):
 
 @pytest.mark.slow
 def test_hanging_up_on_running_work_restarts_no_worker(tmp_path):
-    """Defect 8: a heavy request hung up 0.3 s in, over and over, restarted workers at will
-    and took a legitimate request from 0.02 s to 4-7 s. Started work now runs to its end (its
-    queue place held meanwhile); work not started is dropped."""
+    """A heavy request hung up 0.3 s in, over and over: started work runs to its end (its
+    queue place held meanwhile), work not started is dropped, and no worker restarts, so a
+    legitimate request waits no longer than behind the work."""
     with serve(tmp_path, workers=1) as server:
         body = body_of(slow_tensors(3000), {"kernel": "reference", "causal": "false"})
         baseline = legitimate(server)
@@ -298,7 +298,7 @@ INFER = "/v2/models/mla_prefill/infer"
     "value", [b"\xb2", b"9" * 5000, b"1" * 19], ids=["superscript-2", "5000-digits", "19-digits"]
 )
 def test_inference_header_length_that_is_not_a_byte_count_is_400(door, value):
-    """Defect 13: Latin-1 superscript digits or 5,000 digits were a 500."""
+    """Latin-1 superscript digits or 5,000 digits in a byte count: a 400, not a 500."""
     headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": value}
     with door.client() as c:
         r = c.post(INFER, content=b"{}", headers=headers)
@@ -326,8 +326,8 @@ def test_a_dimension_of_2_to_the_63_is_a_422(door, dims):
 
 
 def test_json_outputs_never_carry_infinities(door):
-    """Defect 16: the LSE of a query that sees no key is -inf, which JSON cannot carry (the
-    answer held `-Infinity`): a 422 asking for binary output, and binary still works."""
+    """The LSE of a query that sees no key is -inf, which JSON cannot carry: a 422 asking for
+    binary output (never `-Infinity` in JSON), and binary works."""
     q = [[[1.0, 0.0]], [[0.0, 1.0]]]  # [2, 1, 2]
     inputs = [
         tensor("q", "FP32", [2, 1, 2], q),
@@ -347,7 +347,7 @@ def test_json_outputs_never_carry_infinities(door):
 
 
 def test_a_v2_request_id_is_capped_as_prefill_caps_it(door):
-    """Defect 17: an 8 MiB `id` was echoed and logged."""
+    """An 8 MiB `id`: refused (ids are at most 128 characters), never echoed or logged."""
     t = good_tensors()
     doc = v2_json(
         [
@@ -372,9 +372,9 @@ def test_a_v2_request_id_is_capped_as_prefill_caps_it(door):
 
 @pytest.mark.slow
 def test_an_early_413_reaches_a_client_that_sends_everything_before_reading(tmp_path):
-    """Defect 22: with the body limit lowered to 1 MiB, a client that writes its whole 32 MiB
-    body before reading (http.client, as many simple clients) got a broken pipe: lingering
-    stopped at the body limit. It now lingers by time, with a byte cap of its own."""
+    """With the body limit lowered to 1 MiB, a client that writes its whole 32 MiB body before
+    reading (http.client, as many simple clients) reads its 413, not a broken pipe: the
+    service lingers by time, with a byte cap of its own, not by the body limit."""
     with serve(tmp_path, workers=1, max_body_bytes=MIB) as server:
         host, port = address(server)
         conn = http.client.HTTPConnection(host, port, timeout=30)

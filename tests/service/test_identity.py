@@ -1,4 +1,4 @@
-"""Who a client is, as the operator says (CONTRACT.md, "Abuse"), on a real server: a forwarded
+"""Who a client is, as the operator says (docs/protocol.md, "Limits"), on a real server: a forwarded
 address counts only from a proxy the operator names, tenants are told apart by their tokens
 even from one address, and many clients holding some keep neither a newcomer's upload nor its
 queued work out (the attacks from other loopback addresses, each a client of its own)."""

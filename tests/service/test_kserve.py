@@ -38,6 +38,7 @@ from tests.batches import BATCH_SPECS, EMPTY_SPECS, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.servers import Server, serve, server_fixture, wait_ready
 from tests.service.v2_tensors import to_numpy, to_torch
+from zen_mla import __version__
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +164,7 @@ def _refused(call: Callable[[], object], status: int | None = None, *fragments: 
 
 def test_server_metadata_live_and_ready(client, shm_client):
     meta = client.get_server_metadata()
-    assert meta["name"] == "zen-mla" and meta["version"] == "0.1.0"
+    assert meta["name"] == "zen-mla" and meta["version"] == __version__
     assert {"binary_tensor_data", "parameters"} <= set(meta["extensions"])
     assert "system_shared_memory" not in meta["extensions"]
     assert "system_shared_memory" in shm_client.get_server_metadata()["extensions"]

@@ -1,4 +1,4 @@
-"""Region-socket clients that misbehave (CONTRACT.md, "Abuse"), against a real server with a
+"""Region-socket clients that misbehave (docs/protocol.md, "Limits"), against a real server with a
 token: while each one runs, a client with the token registers a region and has a prefill
 through it answered correctly, most rounds within 1 s and every one within 15 s."""
 
@@ -69,8 +69,8 @@ def _closed_by_server(s: socket.socket) -> bool:
 
 
 def test_descriptors_sent_before_hello_are_not_hoarded(guarded):
-    """Defect 3: a frame's length, then 1 byte and 4 descriptors per sendmsg, never finishing
-    the frame: the server kept every descriptor (20,000) until the client left."""
+    """A frame's length, then 1 byte and 4 descriptors per sendmsg, never finishing the frame:
+    the server drops the connection at the first descriptor, keeping none."""
     path = region_socket(guarded)
     memfd = os.memfd_create("hoard", os.MFD_CLOEXEC)
     sends = [0]
@@ -96,7 +96,8 @@ def test_descriptors_sent_before_hello_are_not_hoarded(guarded):
 
 
 def test_silent_connections_do_not_lock_out_clients_with_the_token(guarded):
-    """Defect 6: 64 connections that never say hello took every region-client place."""
+    """64 connections that never say hello: they are capped apart (the oldest closed), so no
+    region-client place is theirs."""
     path = region_socket(guarded)
     opened = [0]
 
@@ -133,8 +134,8 @@ def test_connections_that_never_say_hello_are_closed_after_the_hello_deadline(gu
 
 
 def test_a_deeply_nested_frame_gets_an_error_and_is_closed(guarded):
-    """Defect 20: 60,000 nested `[` raised RecursionError in the event loop's callback: no reply,
-    and the connection stayed open (holding a client place)."""
+    """60,000 nested `[` in one frame: a 400 and the connection closed (no RecursionError in
+    the event loop's callback, no client place held)."""
     path = region_socket(guarded)
     frame = struct.pack(">I", 60000) + b"[" * 60000
     answered = [0]

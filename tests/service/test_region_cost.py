@@ -1,4 +1,4 @@
-"""Regions cost their owner (CONTRACT.md, "Abuse"): one client's regions cannot grow the
+"""Regions cost their owner (docs/protocol.md, "Limits"): one client's regions cannot grow the
 service's memory beyond what that client populated. On a real server: a sparse memfd is refused
 at registration, a region with holes punched after it is refused when a request names it (the
 memfd holds no more memory after the call than before: no worker faulted a page into it), the
@@ -70,8 +70,8 @@ def _registers(client: RegionClient, fd: int) -> bool:
 
 
 def test_a_sparse_memfd_is_refused_and_costs_the_service_nothing(costly):
-    """Issue 30, item 4: a 256 MiB memfd never written (it costs its client nothing) was taken,
-    and a call naming it as k and v made a worker fault it all in, charged to the service."""
+    """A 256 MiB memfd never written (it costs its client nothing) is refused: a call naming it
+    as k and v would make a worker fault it all in, charged to the service."""
     name = f"zen-mla-cost-sparse-{os.getpid()}"
     fd = sealed(fcntl.F_SEAL_SHRINK, 256 * MiB, name=name)
     client = RegionClient(region_socket(costly), None)
@@ -134,8 +134,8 @@ def test_holes_punched_after_a_call_refuse_the_next_one(costly):
 
 
 def test_the_byte_budget_is_one_users_over_all_its_connections(costly):
-    """Connections of one uid each under the budget used to hold a budget each: three of
-    160 MiB, 480 MiB in all, were taken under a 384 MiB one."""
+    """Connections of one uid share one budget: three of 160 MiB, 480 MiB in all, do not fit
+    under a 384 MiB one."""
     path = region_socket(costly)
     clients = [RegionClient(path, None) for _ in range(3)]
     fds: list[int] = []
@@ -184,8 +184,8 @@ def test_the_mappings_of_a_client_that_left_go_within_a_second(costly, route):
 
 def test_the_ordinary_client_populates_its_regions_and_gets_right_answers(costly):
     """PrefillClient's regions are populated before they are registered (a scratch region is
-    larger than the request it first holds: its tail used to be holes); answers match the
-    library's."""
+    larger than the request it first holds: its tail is populated too, not left as holes);
+    answers match the library's."""
     q = torch.randn(100, 16, 192, dtype=torch.bfloat16)
     k, v = torch.randn(100, 16, 192).bfloat16(), torch.randn(100, 16, 128).bfloat16()
     cu = torch.tensor([0, 37, 100], dtype=torch.int32)

@@ -1,9 +1,9 @@
-"""A hostile region client beside a legitimate one, on a real server (CONTRACT.md, "Abuse" and
-"Same-host shared memory"): memory it did not populate, dims past every wire's cap, a region
-sealed against writing after registering. Each attack's requests are refused with a 4xx naming
-what was wrong, the service faults no page into the attacker's memfds, logs no traceback and
-restarts no worker, and the legitimate client (`PrefillClient`, regions required) gets the
-library's answers throughout."""
+"""A hostile region client beside a legitimate one, on a real server (docs/protocol.md, "Limits",
+and "Same-host shared memory"): memory it did not populate, dims past every wire's cap, a region
+sealed against writing after registering. Each attack's requests are refused with a 4xx naming what
+was wrong, the service faults no page into the attacker's memfds, logs no traceback and restarts no
+worker, and the legitimate client (`PrefillClient`, regions required) gets the library's answers
+throughout."""
 
 from __future__ import annotations
 

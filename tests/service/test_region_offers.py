@@ -1,7 +1,6 @@
 """A long-lived client (an orchestrator's) and a service that restarts under it: the client's
 regions were registered on a connection the old service closed, so its next call asks /health
-again and registers anew, and is answered correctly over the new service's region socket; it
-used to fail every call from then on."""
+again and registers anew, and is answered correctly over the new service's region socket."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A fair share for every client (CONTRACT.md, "Abuse"; issue 30, items 1-3), on a real server:
+"""A fair share for every client (docs/clients.md), on a real server:
 one client taking every upload slot or every queue place keeps neither a small body nor another
 client out, an upload keeping up with the advertised minimum rate is never cut off, and queued
 work takes turns between clients. The attacks come from 127.0.0.1, the other client from

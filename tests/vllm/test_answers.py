@@ -175,7 +175,7 @@ def test_nan_from_nan_inputs_is_an_answer(service_answers, where):
 
 
 def test_an_lse_of_minus_inf_is_an_answer(service_answers):
-    """A query that sees no key: out 0, lse -inf (CONTRACT.md)."""
+    """A query that sees no key: out 0, lse -inf (docs/protocol.md)."""
     out, lse = torch.zeros(T, H, D, dtype=torch.bfloat16), lse_of(-INF)
     b = backend(service_answers({"out": out, "lse": lse}))
     before = vllm.stats.snapshot()

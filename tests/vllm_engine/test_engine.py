@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
 PROMPT = {"prompt_token_ids": list(range(2, 42))}
 
 
-# As README.md tells AMX hosts: vLLM's CPU platform picks AMX_MLA wherever the CPU has AMX
+# As docs/vllm.md tells AMX hosts: vLLM's CPU platform picks AMX_MLA wherever the CPU has AMX
 # (platforms/cpu.py, get_attn_backend_cls), whose prefill calls no prefill backend and which
 # refuses the tiny model's fp32 weights ("expect weight to be bfloat16"); CPU_MLA named here is
 # what the platform picks anyway on a CPU without AMX (and the block size it sets is the same).

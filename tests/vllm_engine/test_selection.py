@@ -52,7 +52,7 @@ def test_it_passes_the_selectors_checks(dtype):
 
 @pytest.mark.parametrize("amx", [False, True], ids=["no_amx", "amx"])
 def test_on_cpu_naming_cpu_mla_gets_it_with_or_without_amx(monkeypatch, amx):
-    """What test_engine.py's engines (and README.md's advice to AMX hosts) rely on: vLLM's CPU
+    """What test_engine.py's engines (and docs/vllm.md's advice to AMX hosts) rely on: vLLM's CPU
     platform takes the named CPU_MLA backend, whose prefill calls a prefill backend, over the
     AMX_MLA it would pick on a CPU with AMX (stood in for here); unnamed, it picks AMX_MLA there
     and CPU_MLA elsewhere."""
