@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect
 
 from zen_mla import (
-    BodyTooLargeError,
     InternalError,
     KernelError,
     WorkTooLargeError,
@@ -54,7 +53,7 @@ from zen_mla.engine import (
 from .admission import Ticket, client_name
 from .answer import Streamed
 from .body import SMALL_BYTES, give_back, read_body
-from .doors import CallDoor, Door
+from .doors import Door
 from .forms.base import Expect, Form, RequestRecord, Work
 from .settings import Settings
 from .state import ServiceState, readiness
@@ -124,20 +123,16 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client: an HTTP body through the one body reader
-    (admitted before a byte of it is read), or a region-socket frame's body (read already by
-    the socket's one frame reader)."""
+    """The request's bytes, admitted for its client: those its door holds already (a
+    region-socket frame's, read by the socket's one frame reader) charged as they are, or a body
+    still to come through the one body reader, admitted before a byte of it is read."""
     admission = state.admission
-    if isinstance(door, CallDoor):
-        raw = door.body()
-        if len(raw) > expect.limit:
-            raise BodyTooLargeError(f"body: expected at most {expect.limit} bytes, got {len(raw)}")
-        held.ticket = admission.admit_read(len(raw), door.client)
-        _arrived(record, len(raw))
+    n = door.body_size(expect.limit)
+    raw = door.arrived()
+    if raw is not None:
+        held.ticket = admission.admit_read(n, door.client)
+        _arrived(record, n)
         return raw
-    n = door.content_length()
-    if n > expect.limit:
-        raise BodyTooLargeError(f"Content-Length: expected at most {expect.limit} bytes, got {n}")
     admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
     ticket = held.ticket = admission.admit(n, door.client)
     s = state.settings
@@ -293,7 +288,7 @@ async def compute(
     record.info |= {
         "tq": prepared.num_q_tokens,
         "tk": prepared.num_kv_tokens,
-        "b": prepared.num_requests,
+        "b": prepared.num_seqs,
     }
     held.ticket.enqueue()
     batch = prepared.batch

@@ -35,11 +35,8 @@ PRIVATE_PIPE = {
         },
     ),
     "zen_mla/pool/_dispatch.py": (
-        "a worker's dispatcher reads an idle worker's heartbeats (WorkerProcess.recv)",
-        {"msg: ToSupervisor = proc.recv()"},
-    ),
-    "zen_mla/pool/_traffic.py": (
-        "a worker's dispatcher reads a task's answer and heartbeats (WorkerProcess.recv)",
+        "a worker's dispatcher reads a task's answer and an idle worker's heartbeats"
+        " (WorkerProcess.recv)",
         {"msg: ToSupervisor = proc.recv()"},
     ),
     "zen_mla/pool/_direct.py": (
@@ -60,7 +57,6 @@ def test_the_scan_covers_every_module_that_handles_a_request_or_a_task():
         "zen_mla/engine.py",
         "zen_mla/pool/_supervisor.py",
         "zen_mla/pool/_dispatch.py",
-        "zen_mla/pool/_traffic.py",
         "zen_mla/pool/_process.py",
         "zen_mla/pool/_shm.py",
         "zen_mla/pool/_worker.py",

@@ -31,7 +31,7 @@ from zen_mla.regions import SystemShmRegistry, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
-from ..doors import Door, HttpDoor, byte_count
+from ..doors import Door, byte_count
 from ..forms.base import Expect, Form, RequestRecord, Work
 from ..settings import Settings
 from . import request as kr
@@ -85,7 +85,6 @@ class InferForm(Form[Response]):
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         kr.check_model(self.model, self.version)
-        assert isinstance(door, HttpDoor)
         self.max_json_bytes = settings.max_json_bytes
         headers = self.request.headers
         encoding = headers.get("content-encoding", "identity").strip().lower()
@@ -93,7 +92,7 @@ class InferForm(Form[Response]):
             raise UnsupportedMediaTypeError(
                 f"Content-Encoding: expected identity (bodies are read as sent), got {encoding}"
             )
-        n = door.content_length()
+        n = door.body_size(settings.max_body_bytes)
         self.json_bytes = _header_length(self.request, n)
         self.binary_bytes = n - self.json_bytes
         if self.json_bytes > settings.max_json_bytes:

@@ -29,12 +29,14 @@ them (asked again while the service starts, and once it restarted: `_offers`). A
 tensors are then copied once into a region the client holds (or not at all, for tensors made
 with `empty()`), and the workers read them and write the results there.
 
-The modules behind it: `_base` (all the twins share: the request, endpoints, retries),
-`_deadline` (one call's deadline), `_resend` (when an exchange is sent again), `_answers`
-(answers read and checked, problems as exceptions), `_memory` (large answers' memory, reused
-across calls), `_offers` (each endpoint's same-host regions, and when to ask again), `_sync` and
-`_async` (their I/O), `_transport` (the blocking client's sockets, bounded by the call's
-deadline).
+The modules behind it: `_base` (all the twins share but I/O: the client's state, one call across
+its attempts), `_inputs` (a call's tensors checked), `_endpoints` (which endpoint a call goes
+to), `_retry` (what a failed attempt leads to: its zen_mla error, and whether, where and when
+the call is tried again), `_deadline` (one call's deadline), `_resend` (when an exchange is sent
+again), `_answers` (answers read and checked, problems as exceptions), `_memory` (large answers'
+memory, reused across calls), `_offers` (each endpoint's same-host regions, and when to ask
+again), `_sync` and `_async` (their I/O), `_transport` (the blocking client's sockets, bounded
+by the call's deadline).
 """
 
 from ._async import AsyncPrefillClient

@@ -15,8 +15,8 @@ from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError
 from ._deadline import Deadline
-from ._endpoints import Translated
 from ._resend import Resend
+from ._retry import Translated
 from ._transport import HeardTransport
 
 __all__ = ["AsyncPrefillClient"]

@@ -1,6 +1,8 @@
-"""What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the request built and
-checked, one call's deadline (`_deadline`), its attempts on the endpoints (which one, and what a
-failed attempt leads to: `_endpoints`; when an exchange is sent again: `_resend`)."""
+"""What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the client's state
+(`BaseClient`) and one prefill call across its attempts (`Call`): the exchanges it sends, its
+regions and its socket call, its answers decoded. Its tensors are checked by `_inputs`, its
+endpoint chosen by `_endpoints`, a failed attempt's next step is `_retry`'s, one call's
+deadline `_deadline`'s, and when an exchange is sent again `_resend`'s."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import httpx
 import torch
 
 from .. import wire
-from ..attention.batch import visible_pairs
 from ..errors import (
     InvalidInputError,
     OverloadedError,
@@ -22,12 +23,13 @@ from ..errors import (
 )
 from ..regions.client import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
-from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import Deadline, call_budget
-from ._endpoints import Balancer, next_step
+from ._endpoints import Balancer, weigh
+from ._inputs import checked_tensors
 from ._memory import AnswerMemory
 from ._offers import Offer, offered
+from ._retry import next_step
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -63,56 +65,6 @@ class Exchange:
 
 
 HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)
-
-
-def _tensors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seq_lens: torch.Tensor,
-    kv_cu_seq_lens: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
-    tensors = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu_seq_lens}
-    if kv_cu_seq_lens is not None:
-        tensors["kv_cu_seq_lens"] = kv_cu_seq_lens
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidInputError(name, "a torch.Tensor", type(t).__name__)
-        if name in ("q", "k", "v") and t.ndim != 3:
-            raise InvalidInputError(name, "a 3-D tensor [T, H, D]", f"shape {tuple(t.shape)}")
-        # cu_seq_lens are read here to weigh the request: checked first
-        whole = t.ndim == 1 and t.shape[0] >= 1 and t.dtype in (torch.int32, torch.int64)
-        if name.endswith("cu_seq_lens") and not whole:
-            got = f"{t.dtype} of shape {tuple(t.shape)}"
-            raise InvalidInputError(name, "a 1-D int32 or int64 tensor [B + 1]", got)
-        if t.dtype not in BY_TORCH:
-            raise InvalidInputError(
-                name, f"a dtype among {', '.join(BY_SAFETENSORS)}", str(t.dtype)
-            )
-    if kv_cu_seq_lens is not None and kv_cu_seq_lens.shape != q_cu_seq_lens.shape:
-        raise InvalidInputError(
-            "kv_cu_seq_lens",
-            f"[B + 1] = {list(q_cu_seq_lens.shape)}, as q_cu_seq_lens",
-            str(list(kv_cu_seq_lens.shape)),
-        )
-    return tensors
-
-
-def _work(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causal: bool) -> int:
-    """The request's weight for balancing: heads x visible (query, key) pairs (q as `_tensors`
-    checked it: 3-D)."""
-    qc = q_cu.tolist()
-    kc = kv_cu.tolist() if kv_cu is not None else qc
-    pairs = sum(
-        visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
-    )
-    return int(q.shape[1]) * pairs
-
-
-def _authorized(headers: dict[str, str], token: str | None) -> dict[str, str]:
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    return headers
 
 
 # -- one prefill call ----------------------------------------------------------------------------
@@ -156,8 +108,8 @@ class Call:
             yield i
         except (OverloadedError, httpx.TransportError) as exc:
             self.wait = next_step(
-                exc, i, self._tried, len(client._urls), self._attempts, client._retries,
-                client._balancer, self.deadline,
+                exc, i, self._tried, self._attempts, client._retries, client._balancer,
+                self.deadline,
             )  # fmt: skip
         finally:
             client._balancer.end(i, self._work)
@@ -262,7 +214,10 @@ class BaseClient:
         self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
 
     def _auth(self, headers: dict[str, str]) -> dict[str, str]:
-        return _authorized(headers, self._token)
+        """`headers`, with the bearer token where the client has one."""
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
 
     def _deadline(self) -> Deadline:
         return Deadline(self._budget)
@@ -286,10 +241,10 @@ class BaseClient:
         options = wire.options_metadata(
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
-        tensors = _tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
+        tensors = checked_tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
         outputs = AnswerSpec.of(tensors, return_lse, out)
-        work = _work(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
-        return Call(tensors, options, outputs, work, self)
+        weight = weigh(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
+        return Call(tensors, options, outputs, weight, self)
 
     def _offered(self, status: int, body: Bytes) -> Offer:
         """The regions a /health answer offers (`_offers.offered`). Blocking."""

@@ -1,33 +1,35 @@
-"""The endpoints of a client and what a failed attempt on one means: which is least loaded and
-which is passed over (`Balancer`), the one translation of transport errors into zen_mla's
-(`Translated`), and whether, where and when a call is tried again (`next_step`)."""
+"""A client's endpoints and which one a call goes to: the least loaded by outstanding work (a
+request's weight: `weigh`), passing over one found unreachable a while (`Balancer`)."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from types import TracebackType
 
-import httpx
+import torch
 
-from ..errors import (
-    DeadlineExceededError,
-    OverloadedError,
-    ServiceUnavailableError,
-    ZenMLAError,
-)
-from ._deadline import Deadline
-from ._resend import AnswerBrokenOff
+from ..attention.batch import visible_pairs
 
-__all__ = ["DOWN_FOR", "MAX_RETRY_WAIT", "Balancer", "Translated", "next_step"]
+__all__ = ["DOWN_FOR", "Balancer", "weigh"]
 
-MAX_RETRY_WAIT = 30.0
 DOWN_FOR = 5.0  # seconds an unreachable endpoint is passed over
 
 
+def weigh(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causal: bool) -> int:
+    """A request's weight for balancing: heads x visible (query, key) pairs (of tensors as
+    `_inputs.checked_tensors` checked them: q 3-D, cu_seq_lens 1-D integers)."""
+    qc = q_cu.tolist()
+    kc = kv_cu.tolist() if kv_cu is not None else qc
+    pairs = sum(
+        visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
+    )
+    return int(q.shape[1]) * pairs
+
+
 class Balancer:
-    """Outstanding work per endpoint; `pick` gives the least loaded one not passed over."""
+    """Outstanding work per endpoint; `pick` gives the least loaded one not passed over. Its
+    lock guards `outstanding` and `down_until` (calls in several threads share a client)."""
 
     def __init__(self, n: int) -> None:
         self.outstanding = [0] * n
@@ -56,69 +58,6 @@ class Balancer:
         with self._lock:
             self.down_until[i] = time.monotonic() + DOWN_FOR
 
-
-def _transport_error(exc: httpx.TransportError, deadline: Deadline, i: int) -> ZenMLAError:
-    """The one place transport errors become zen_mla exceptions."""
-    if isinstance(exc, httpx.TimeoutException):
-        left = deadline.remaining()
-        if left is not None and left <= 0:
-            return deadline.exceeded()
-        return DeadlineExceededError(f"no answer in time from endpoint {i}: {exc}")
-    if isinstance(exc, AnswerBrokenOff):
-        return ServiceUnavailableError(f"endpoint {i} broke off its answer: {exc}")
-    return ServiceUnavailableError(f"endpoint {i} unreachable: {exc}")
-
-
-class Translated:
-    """Within the block, a transport error with endpoint `i` is raised as its zen_mla exception."""
-
-    def __init__(self, deadline: Deadline, i: int) -> None:
-        self._deadline, self._i = deadline, i
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if isinstance(exc, httpx.TransportError):
-            raise _transport_error(exc, self._deadline, self._i) from exc
-
-
-def _retry_wait(exc: OverloadedError, attempt: int) -> float:
-    return min(exc.retry_after if exc.retry_after is not None else 0.5 * 2**attempt, MAX_RETRY_WAIT)
-
-
-def next_step(
-    exc: Exception,
-    i: int,
-    tried: set[int],
-    n: int,
-    attempt: int,
-    retries: int,
-    bal: Balancer,
-    deadline: Deadline,
-) -> float:
-    """After a failed attempt on endpoint i: seconds to wait before the next one, or raise. A
-    wait that would end past the call's deadline is not waited: the error is raised now. A
-    request endpoint i may have read (`AnswerBrokenOff`) goes to no other."""
-    tried.add(i)
-    if isinstance(exc, httpx.TransportError):
-        error = _transport_error(exc, deadline, i)
-        if isinstance(error, DeadlineExceededError):
-            raise error from exc
-        bal.down(i)
-        if isinstance(exc, AnswerBrokenOff) or attempt >= retries or len(tried) >= n:
-            raise error from exc
-        return 0.0
-    if not isinstance(exc, OverloadedError) or attempt >= retries:
-        raise exc
-    if len(tried) < n:
-        return 0.0  # another endpoint may have room now
-    tried.clear()
-    wait = _retry_wait(exc, attempt)
-    left = deadline.remaining()
-    if left is not None and wait >= left:
-        exc.add_note(f"not retried: the wait of {wait:g} s ends past the call's timeout")
-        raise exc
-    return wait
+    def __len__(self) -> int:
+        """How many endpoints."""
+        return len(self.outstanding)

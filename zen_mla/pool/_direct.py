@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, Lost, Outcome, worker_lost
 from ._job import Reply, Task
 from ._messages import Done, ToSupervisor
 from ._process import WorkerProcess
-from ._traffic import Lost, Outcome, worker_lost
 
 __all__ = ["DirectRun"]
 

@@ -10,6 +10,10 @@ task on it directly (`_direct.DirectRun`): the loop sends the task and reads the
 and the dispatcher thread keeps off the pipe until it is given back (`give_back()`), replacing
 the worker then if it died meanwhile.
 
+A task's way to the worker and back is the same for both: sent with the descriptors the worker
+lacks (`send`), its answer read and told apart from heartbeats and from answers out of turn
+(`answer`), and how it ended (`Outcome`) handed to the task's job (`settle`).
+
 One owner at a time: the worker's process and its pipe are used by whoever holds `owner` (the
 dispatcher thread, for a task or to read an idle worker's heartbeats; or one borrower), taken
 and given back in one step under `lock`. A loan is refused while the thread holds the worker,
@@ -26,27 +30,92 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from multiprocessing.connection import wait
 from typing import Any
 
-from ..errors import KernelError
+from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
-from ._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
-from ._messages import Beat, Forget, ToSupervisor
+from ._job import LostOnLoan, PoolJob, Reply, StopDispatching, Task, TaskQueue
+from ._messages import Beat, BufferUse, Done, Failed, Forget, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
-from ._traffic import Owner, TaskTraffic, WorkerState, worker_lost
 from .topology import WorkerSlot
 
-__all__ = ["Dispatcher"]
+__all__ = [
+    "Dispatcher",
+    "Lost",
+    "NotSent",
+    "OutOfTurn",
+    "Outcome",
+    "Owner",
+    "WorkerState",
+    "worker_lost",
+]
 
 log = logging.getLogger("zen_mla.pool")
 #: the longest an idle worker keeps a freed buffer mapped, in seconds (a region whose client
 #: left, say): the dispatcher thread looks in on an idle worker this often
 FORGET_WITHIN = 0.5
+
+
+class WorkerState(StrEnum):
+    """Where a worker is, as `WorkerPool.workers()` and /health name it."""
+
+    STARTING = "starting"  # being spawned or replaced
+    IDLE = "idle"
+    BUSY = "busy"
+    STUCK = "stuck"  # silent for `ping_timeout` mid-task
+    DEAD = "dead"  # exited, not noticed yet (reported only)
+    STOPPED = "stopped"  # the pool closed
+
+
+class Owner(StrEnum):
+    """Who holds a worker's pipe: its dispatcher thread, or a borrower (`Dispatcher.lend`)."""
+
+    THREAD = "thread"
+    LOAN = "loan"
+
+
 THREAD, LOAN = Owner.THREAD, Owner.LOAN
 
 
-class Dispatcher(TaskTraffic):
+@dataclass(frozen=True)
+class NotSent:
+    """Nothing of the task went out (no memory, no buffer space...): it fails, and the worker,
+    as it was, is kept."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The process died under the task, or its pipe broke: the task goes back to the pool (to
+    be redone elsewhere) and the worker is replaced."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class OutOfTurn:
+    """The worker said something out of turn (an answer to a task it was not running, say): a
+    protocol error. The task fails (its result is not known) and the worker is replaced."""
+
+    why: str
+
+
+#: how a task ended: answered (`Done`), failed in the worker (`Failed`), not sent, lost with
+#: the process, or answered out of turn
+Outcome = Done | Failed | NotSent | Lost | OutOfTurn
+
+
+def worker_lost(outcome: Outcome) -> str | None:
+    """Why the worker is to be replaced after `outcome`; None: it is kept."""
+    return outcome.why if isinstance(outcome, Lost | OutOfTurn) else None
+
+
+class Dispatcher:
     """One CCX's worker. Once `start()`ed, its dispatcher thread is the only one to replace
     `proc`; `lock` guards `owner`, `proc`, `state`, `current`, `lost_why` and `restarts` against
     the other threads (`info()`, `cancel()`, `lend()`, `give_back()`, `stop_dispatching()`,
@@ -194,6 +263,118 @@ class Dispatcher(TaskTraffic):
             "pid": proc.pid if proc is not None else None,
             "restarts": restarts,
         }
+
+    # -- a task's way to the worker and back (whoever holds `owner`: the thread, a borrower) --
+
+    def _check_silence(self) -> None:
+        """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
+        slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
+        as not alive meanwhile."""
+        silent = time.monotonic() - self.heard_at
+        if silent <= self._config.ping_timeout:
+            return
+        with self.lock:  # busy still: a borrower may have given it back idle meanwhile
+            if self.state != WorkerState.BUSY:
+                return
+            self.state = WorkerState.STUCK
+            pid = self.proc.pid if self.proc else None
+        log.warning(
+            "worker %d (pid %s) silent for %.1f s mid-task: stuck", self.slot.id, pid, silent
+        )
+
+    def heard(self) -> None:
+        """A message came from the worker: it is alive (and no longer stuck)."""
+        self.heard_at = time.monotonic()
+        if self.state != WorkerState.STUCK:  # a hint read without the lock: most messages stop here
+            return
+        with self.lock:  # stuck still: a cancel may have stopped it meanwhile
+            again = self.state == WorkerState.STUCK
+            if again:
+                self.state = WorkerState.BUSY
+        if again:
+            log.warning("worker %d is answering again", self.slot.id)
+
+    def _run_on(self, proc: WorkerProcess, task: Task) -> Outcome:
+        """How `task` ended on `proc`: its answer, not sent, the process lost, or an answer out
+        of turn."""
+        sent = self.send(proc, task)
+        if sent is not None:
+            return sent
+        while True:
+            ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
+            if proc.conn in ready:
+                try:
+                    msg: ToSupervisor = proc.recv()
+                except (EOFError, OSError):
+                    return Lost("died")
+                answer = self.answer(task, msg)
+                if answer is not None:
+                    return answer
+            elif proc.sentinel in ready:
+                return Lost(f"died (exit code {proc.exitcode})")
+            else:
+                self._check_silence()
+
+    def send(
+        self, proc: WorkerProcess, task: Task, reply: Reply | None = None
+    ) -> NotSent | Lost | None:
+        """Send `task` (and the `reply` its worker is to write) to `proc`: None once sent, else
+        how the task ended (nothing went out, or the process is lost). The job was started
+        when the worker was given the task (`PoolJob._take`)."""
+        forget, fresh = self._mappings.plan(self.slot.id, task.buffers)
+        spec = replace(
+            task.spec,
+            buffers=tuple(BufferUse(b.id, b.nbytes, b in fresh, b.populate) for b in task.buffers),
+            forget=forget,
+            reply=None if reply is None else reply.frame,
+        )
+        try:
+            proc.send(RunTask(task.id, spec), [b.fd for b in fresh] + ([reply.fd] if reply else []))
+        except SendFailedError as exc:
+            log.warning("worker %d: could not send a task: %s", self.slot.id, exc)
+            return NotSent(str(exc))
+        except WorkerGoneError as exc:
+            return Lost(f"lost its pipe ({exc})")
+        self._mappings.sent(self.slot.id, forget, [b.id for b in fresh])
+        return None
+
+    def answer(self, task: Task, msg: ToSupervisor) -> Done | Failed | OutOfTurn | None:
+        """A message from the worker busy with `task`: its answer, None (a heartbeat), or
+        OutOfTurn (anything else: an answer to another task never settles this one)."""
+        self.heard()
+        if isinstance(msg, Beat):
+            return None
+        if isinstance(msg, Done | Failed) and msg.task_id == task.id:
+            if isinstance(msg, Failed):  # the worker unmapped the task's buffers
+                self._mappings.unmapped(self.slot.id, [b.id for b in task.buffers])
+            return msg
+        return OutOfTurn(f"sent {msg!r} while running task {task.id} (a protocol error)")
+
+    def settle(self, task: Task, outcome: Outcome) -> None:
+        """Hand `outcome` of `task` to its job: done, failed, or lost with the process."""
+        if isinstance(outcome, Done):
+            task.job._piece_done()
+        elif isinstance(outcome, Failed):
+            task.job._fail(self._raised(outcome))
+        elif isinstance(outcome, NotSent):
+            task.job._fail(
+                ServiceUnavailableError(
+                    f"could not hand work to worker {self.slot.id}: {outcome.why}",
+                    retry_after=1.0,
+                )
+            )
+        elif isinstance(outcome, Lost):
+            self._lost(task, self)
+        else:  # out of step: the task's result is not known
+            task.job._fail(KernelError(f"worker {self.slot.id} {outcome.why}"))
+
+    def _raised(self, failed: Failed) -> ZenMLAError:
+        """The worker's exception as the class it was raised as, where it is one of ours;
+        anything else is a KernelError saying what it was."""
+        raised = from_parts(failed.error_type, failed.message, failed.fields)
+        if raised is not None:
+            return raised
+        return KernelError(f"worker {self.slot.id}: {failed.error_type}: {failed.message}")
 
     # -- the dispatcher thread ---------------------------------------------------------------
 

@@ -22,13 +22,12 @@ from ..attention.select import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._direct import DirectRun
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, WorkerState
 from ._job import OutputPlaces, PoolJob, PoolResult, Reply, Task
 from ._messages import TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
 from ._shm import BufferCache, SharedBuffer, WorkerMappings, tensor_ref
-from ._traffic import WorkerState
 from .topology import WorkerSlot, discover_ccxs, plan_workers
 
 __all__ = ["WorkerPool"]
