@@ -23,7 +23,7 @@ from zen_mla.engine import PrefillEngine, SharedBuffer
 
 from .admission import Ticket
 
-__all__ = ["SMALL_BYTES", "Receive", "give_back", "read_body"]
+__all__ = ["SMALL_BYTES", "Receive", "read_body", "release_buffer"]
 
 #: Work on this many bytes or fewer is done on the event loop, more in a thread (where the GIL
 #: is let go or the loop must not wait): giving a buffer back (unmapping 1 GiB takes 0.3-0.5 s),
@@ -91,7 +91,7 @@ async def read_body(
                 view[lead + got : lead + end] = chunk
                 got = ticket.got = end
     except TimeoutError:
-        await give_back(engine, buf)
+        await release_buffer(engine, buf)
         elapsed = loop.time() - start
         if ticket.displaced:
             raise RequestTimeoutError(
@@ -105,17 +105,17 @@ async def read_body(
             ) from None
         raise DeadlineExceededError(f"the body did not arrive within {deadline_s} s") from None
     except BaseException:
-        await give_back(engine, buf)
+        await release_buffer(engine, buf)
         raise
     finally:
         ticket.timer = None
     if got != nbytes:
-        await give_back(engine, buf)
+        await release_buffer(engine, buf)
         raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
     return buf
 
 
-async def give_back(engine: PrefillEngine, buf: SharedBuffer) -> None:
+async def release_buffer(engine: PrefillEngine, buf: SharedBuffer) -> None:
     """`engine.release(buf)`; for a large buffer in a thread: the release may free an older
     buffer of the pool's cache, and unmapping 1 GiB takes 0.3-0.5 s (without the GIL)."""
     if buf.nbytes <= SMALL_BYTES:

@@ -52,7 +52,7 @@ from zen_mla.engine import (
 
 from .admission import Ticket, client_name
 from .answer import Streamed
-from .body import SMALL_BYTES, give_back, read_body
+from .body import SMALL_BYTES, read_body, release_buffer
 from .doors import Door
 from .forms.base import Expect, Form, RequestRecord, Work
 from .settings import Settings
@@ -155,7 +155,7 @@ async def _read(
     try:
         return bytes(buf.bytes_view[:n])
     finally:
-        await held.give_back(engine)
+        await held.release_buffers(engine)
 
 
 def _arrived(record: RequestRecord, nbytes: int) -> None:
@@ -195,7 +195,7 @@ async def _run(
         raise
     ticket = held.ticket
     ticket.refund("kernel")  # its work is done
-    await held.give_back(engine)  # the inputs' memory, before the answer goes out
+    await held.release_buffers(engine)  # the inputs' memory, before the answer goes out
     ticket.refund("body")
     if places is not None:
         result.release()  # written where the caller said: no memory of the pool's to keep
@@ -241,16 +241,16 @@ class Held:
     ticket: Ticket | None = None
     buffers: list[SharedBuffer] = field(default_factory=list)
 
-    async def give_back(self, engine: PrefillEngine) -> None:
+    async def release_buffers(self, engine: PrefillEngine) -> None:
         """The buffers back to the engine."""
         buffers, self.buffers = self.buffers, []
         for buf in buffers:
-            await give_back(engine, buf)
+            await release_buffer(engine, buf)
 
     async def release(self, engine: PrefillEngine | None) -> None:
         """Everything back: the buffers, then the admission."""
         if engine is not None:
-            await self.give_back(engine)
+            await self.release_buffers(engine)
         if self.ticket is not None:
             self.ticket.close()
             self.ticket = None

@@ -40,7 +40,7 @@ def submit(engine, q, k, v, q_cu, kv_cu=None, **options):
 
 @pytest.fixture(scope="module")
 def engine():
-    config = EngineConfig(PoolConfig(workers=1, ping_interval=0.2))
+    config = EngineConfig(PoolConfig(workers=1, heartbeat_interval=0.2))
     with PrefillEngine(config) as e:
         yield e
 

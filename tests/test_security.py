@@ -26,7 +26,7 @@ PRIVATE_PIPE = {
     ),
     "zen_mla/pool/_process.py": (
         "the supervisor pickles a task for its worker and reads the worker's Ready, Done,"
-        " Failed and Beat (WorkerProcess.recv)",
+        " Failed and Heartbeat (WorkerProcess.recv)",
         {
             "import pickle",
             "payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)",

@@ -33,7 +33,8 @@ def _cpus_allowed(pid: int) -> str:
 @pytest.fixture(scope="module")
 def pool():
     # min_piece_cost=1: the small test batches are split as a large one would be
-    config = PoolConfig(workers=2 if len(CPUS) >= 2 else 1, ping_interval=0.2, min_piece_cost=1)
+    workers = 2 if len(CPUS) >= 2 else 1
+    config = PoolConfig(workers=workers, heartbeat_interval=0.2, min_piece_cost=1)
     with WorkerPool(config) as p:
         yield p
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)) as p:
+    with WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)) as p:
         yield p
 
 
@@ -323,7 +323,7 @@ def test_heartbeats_queued_before_the_answer_are_read_a_turn_each():
             assert torch.equal(result.out, expected)
             result.release()
 
-    with WorkerPool(PoolConfig(workers=1, ping_interval=0.002, ping_timeout=30)) as p:
+    with WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.002, heartbeat_timeout=30)) as p:
         asyncio.run(main(p))
         assert p.workers()[0]["state"] == "idle"
         assert p.workers()[0]["restarts"] == 0

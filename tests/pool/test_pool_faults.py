@@ -34,7 +34,7 @@ ATOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 @pytest.fixture(scope="module")
 def pool():
-    config = PoolConfig(workers=min(2, len(CPUS)), ping_interval=0.2, min_piece_cost=1)
+    config = PoolConfig(workers=min(2, len(CPUS)), heartbeat_interval=0.2, min_piece_cost=1)
     with WorkerPool(config) as p:
         yield p
 
@@ -265,7 +265,7 @@ def test_lost_work_is_retried_before_the_replacement_starts(pool, monkeypatch):
 
 @pytest.mark.slow
 def test_a_stopped_busy_worker_is_reported_and_left_to_resume():
-    config = PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)
+    config = PoolConfig(workers=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     with WorkerPool(config) as pool:
         q, k, v, q_cu = _slow_batch(5000)
         job = submit(pool, q, k, v, q_cu, causal=False, kernel="reference")
@@ -293,8 +293,8 @@ def test_a_stopped_busy_worker_is_reported_and_left_to_resume():
 
 @pytest.mark.slow
 def test_a_stopped_idle_worker_is_replaced():
-    """Idle, it holds no work: silent for ping_timeout, it is killed and replaced."""
-    config = PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)
+    """Idle, it holds no work: silent for heartbeat_timeout, it is killed and replaced."""
+    config = PoolConfig(workers=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     with WorkerPool(config) as pool:
         worker = pool.workers()[0]
         os.kill(worker["pid"], signal.SIGSTOP)
@@ -303,7 +303,7 @@ def test_a_stopped_idle_worker_is_replaced():
             while pool.workers()[0]["alive"]:
                 assert time.monotonic() - stopped < 10, pool.workers()
                 time.sleep(0.05)
-            assert time.monotonic() - stopped >= config.ping_timeout
+            assert time.monotonic() - stopped >= config.heartbeat_timeout
             _wait_all_alive(pool)
             took = time.monotonic() - stopped
         finally:
@@ -325,7 +325,7 @@ import torch
 from tests.pool.jobs import submit
 from zen_mla.pool import PoolConfig, WorkerPool
 
-pool = WorkerPool(PoolConfig(workers=1, ping_interval=0.2)).start()
+pool = WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.2)).start()
 if sys.argv[1] == "replaced":  # the worker to orphan is a replacement
     first = pool.workers()[0]["pid"]
     os.kill(first, signal.SIGKILL)
@@ -396,7 +396,7 @@ def test_workers_outlive_the_thread_that_started_them():
     box: dict[str, WorkerPool] = {}
 
     def start() -> None:
-        box["pool"] = WorkerPool(PoolConfig(workers=1, ping_interval=0.2)).start()
+        box["pool"] = WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.2)).start()
 
     t = threading.Thread(target=start)
     t.start()

@@ -23,7 +23,7 @@ FRAME = b"\x00\x00\x00\x0b" + b'{"ok":true}'
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(PoolConfig(workers=1, ping_interval=0.2, ping_timeout=1.5)) as p:
+    with WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)) as p:
         yield p
 
 

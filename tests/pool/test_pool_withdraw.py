@@ -30,14 +30,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(PoolConfig(workers=1, ping_interval=0.2, ping_timeout=5)) as p:
+    with WorkerPool(PoolConfig(workers=1, heartbeat_interval=0.2, heartbeat_timeout=5)) as p:
         yield p
 
 
 @pytest.fixture(scope="module")
 def pool2():
     """Two workers: a batch of two requests is two tasks, one on each."""
-    with WorkerPool(PoolConfig(workers=2, ping_interval=0.2, ping_timeout=5)) as p:
+    with WorkerPool(PoolConfig(workers=2, heartbeat_interval=0.2, heartbeat_timeout=5)) as p:
         yield p
 
 

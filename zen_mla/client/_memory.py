@@ -44,10 +44,10 @@ class AnswerMemory:
                 self._idle.remove(found)
         buf = found if found is not None else mmap.mmap(-1, -(-n // _GRAIN) * _GRAIN)
         owner = np.frombuffer(buf, dtype=np.uint8, count=n)
-        weakref.finalize(owner, self._give_back, buf)
+        weakref.finalize(owner, self._release, buf)
         return owner.data
 
-    def _give_back(self, buf: mmap.mmap) -> None:
+    def _release(self, buf: mmap.mmap) -> None:
         with self._lock:
             if self._closed or len(buf) > self.keep_bytes:
                 return  # collected with the last reference

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 
 from .topology import SYSFS
@@ -14,9 +15,9 @@ __all__ = ["PoolConfig"]
 class PoolConfig:
     """workers: None for one per CCX; smt: also use SMT siblings; times in seconds.
 
-    Workers send a heartbeat every `ping_interval`; one silent for `ping_timeout` is "stuck":
-    reported not alive while busy (its work is left to finish or be abandoned), replaced while
-    idle.
+    Workers send a heartbeat every `heartbeat_interval`; one silent for `heartbeat_timeout` is
+    "stuck": reported not alive while busy (its work is left to finish or be abandoned),
+    replaced while idle.
 
     `min_piece_cost` (heads x visible query-key pairs): work is split over workers only into
     pieces of at least this much. Below it a second kernel call and a second worker's hop cost
@@ -33,10 +34,23 @@ class PoolConfig:
 
     workers: int | None = None
     smt: bool = False
-    ping_interval: float = 1.0
-    ping_timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
     start_timeout: float = 180.0
     cache_bytes: int = 1 << 30
     min_piece_cost: int = 1 << 17
     min_thread_cost: int = 1 << 16
     sysfs: Path = SYSFS
+    # deprecated names of heartbeat_interval and heartbeat_timeout (keywords only; removed in 0.3)
+    ping_interval: InitVar[float | None] = None
+    ping_timeout: InitVar[float | None] = None
+
+    def __post_init__(self, ping_interval: float | None, ping_timeout: float | None) -> None:
+        for old, new, value in (
+            ("ping_interval", "heartbeat_interval", ping_interval),
+            ("ping_timeout", "heartbeat_timeout", ping_timeout),
+        ):
+            if value is not None:
+                message = f"PoolConfig({old}=) is deprecated: use {new}="
+                warnings.warn(message, DeprecationWarning, stacklevel=3)
+                object.__setattr__(self, new, value)

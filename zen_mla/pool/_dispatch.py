@@ -38,7 +38,7 @@ from typing import Any
 from ..errors import KernelError, ServiceUnavailableError, ZenMLAError, from_parts
 from ._config import PoolConfig
 from ._job import LostOnLoan, PoolJob, Reply, StopDispatching, Task, TaskQueue
-from ._messages import Beat, BufferUse, Done, Failed, Forget, RunTask, ToSupervisor
+from ._messages import BufferUse, Done, Failed, Forget, Heartbeat, RunTask, ToSupervisor
 from ._process import SendFailedError, WorkerGoneError, WorkerProcess, start_until_ready
 from ._shm import WorkerMappings
 from .topology import WorkerSlot
@@ -66,7 +66,7 @@ class WorkerState(StrEnum):
     STARTING = "starting"  # being spawned or replaced
     IDLE = "idle"
     BUSY = "busy"
-    STUCK = "stuck"  # silent for `ping_timeout` mid-task
+    STUCK = "stuck"  # silent for `heartbeat_timeout` mid-task
     DEAD = "dead"  # exited, not noticed yet (reported only)
     STOPPED = "stopped"  # the pool closed
 
@@ -267,11 +267,11 @@ class Dispatcher:
     # -- a task's way to the worker and back (whoever holds `owner`: the thread, a borrower) --
 
     def _check_silence(self) -> None:
-        """Mark a busy worker that has been silent for `ping_timeout` s stuck. Not killed: a
+        """Mark a busy worker that has been silent for `heartbeat_timeout` s stuck. Not killed: a
         slow task is the caller's to abandon (its deadline); a stopped one may resume. Reported
         as not alive meanwhile."""
         silent = time.monotonic() - self.heard_at
-        if silent <= self._config.ping_timeout:
+        if silent <= self._config.heartbeat_timeout:
             return
         with self.lock:  # busy still: a borrower may have given it back idle meanwhile
             if self.state != WorkerState.BUSY:
@@ -301,7 +301,7 @@ class Dispatcher:
         if sent is not None:
             return sent
         while True:
-            ready = wait([proc.conn, proc.sentinel], self._config.ping_interval)
+            ready = wait([proc.conn, proc.sentinel], self._config.heartbeat_interval)
             if proc.conn in ready:
                 try:
                     msg: ToSupervisor = proc.recv()
@@ -342,7 +342,7 @@ class Dispatcher:
         """A message from the worker busy with `task`: its answer, None (a heartbeat), or
         OutOfTurn (anything else: an answer to another task never settles this one)."""
         self.heard()
-        if isinstance(msg, Beat):
+        if isinstance(msg, Heartbeat):
             return None
         if isinstance(msg, Done | Failed) and msg.task_id == task.id:
             if isinstance(msg, Failed):  # the worker unmapped the task's buffers
@@ -426,7 +426,7 @@ class Dispatcher:
     def _dispatch_one(self) -> bool:
         """Run one task from the queue, or check on the idle worker; False: stop dispatching."""
         try:
-            item = self.queue.get(timeout=min(self._config.ping_interval, FORGET_WITHIN))
+            item = self.queue.get(timeout=min(self._config.heartbeat_interval, FORGET_WITHIN))
         except queue.Empty:
             if not self._closed.is_set():
                 self._check_idle()
@@ -498,7 +498,7 @@ class Dispatcher:
                     return True
                 if self._closed.is_set():
                     return False
-                self._given_back.wait(self._config.ping_interval)
+                self._given_back.wait(self._config.heartbeat_interval)
                 if self.owner is None:
                     self.owner = THREAD
                     return True
@@ -547,7 +547,7 @@ class Dispatcher:
             while proc.conn.poll(0):
                 msg: ToSupervisor = proc.recv()
                 self.heard_at = time.monotonic()
-                if not isinstance(msg, Beat):
+                if not isinstance(msg, Heartbeat):
                     self._replace(f"sent {msg!r} while idle (a protocol error)")
                     return
         except (EOFError, OSError):
@@ -555,8 +555,8 @@ class Dispatcher:
             return
         if not proc.is_alive():
             self._replace(f"exited (code {proc.exitcode})")
-        elif time.monotonic() - self.heard_at > self._config.ping_timeout:
-            self._replace(f"was silent for {self._config.ping_timeout} s while idle")
+        elif time.monotonic() - self.heard_at > self._config.heartbeat_timeout:
+            self._replace(f"was silent for {self._config.heartbeat_timeout} s while idle")
         else:
             self._forget_freed(proc)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Beat",
     "BufferUse",
     "Done",
     "Failed",
     "Forget",
+    "Heartbeat",
     "Piece",
     "Ready",
     "RunTask",
@@ -147,11 +147,11 @@ class Failed:
 
 
 @dataclass(frozen=True)
-class Beat:
-    """A heartbeat, every `ping_interval` s from the worker's watchdog thread."""
+class Heartbeat:
+    """A heartbeat, every `heartbeat_interval` s from the worker's watchdog thread."""
 
     n: int
 
 
 ToWorker = RunTask | Forget | Stop
-ToSupervisor = Ready | Done | Failed | Beat
+ToSupervisor = Ready | Done | Failed | Heartbeat

@@ -61,7 +61,7 @@ class WorkerProcess:
     parent thread, not the parent process).
     """
 
-    def __init__(self, slot: WorkerSlot, warm_zentorch: bool, beat_interval: float) -> None:
+    def __init__(self, slot: WorkerSlot, warm_zentorch: bool, heartbeat_interval: float) -> None:
         parent, child = _spawn.Pipe(duplex=True)
         try:
             # spawn runs the parent's __main__ module again in the child (as __mp_main__)
@@ -88,7 +88,7 @@ class WorkerProcess:
                             slot.cpus,
                             slot.threads,
                             warm_zentorch,
-                            beat_interval,
+                            heartbeat_interval,
                         ),
                         name=f"zen-mla-worker-{slot.id}",
                         daemon=True,

@@ -115,13 +115,13 @@ class WorkerPool:
         """Each worker's id, CPUs, threads, state, liveness, pid and restarts (for /health).
 
         `state`: "starting" (being spawned or replaced), "idle", "busy", "stuck" (silent for
-        `ping_timeout` s, say stopped; a busy one is left to finish or be abandoned), "dead"
+        `heartbeat_timeout` s, say stopped; a busy one is left to finish or be abandoned), "dead"
         (exited, not noticed yet) or "stopped" (pool closed). `alive`: idle or busy.
         """
         return [d.info() for d in self._dispatchers]
 
     def _new_process(self, slot: WorkerSlot) -> WorkerProcess:
-        return WorkerProcess(slot, self._warm_zentorch, self.config.ping_interval)
+        return WorkerProcess(slot, self._warm_zentorch, self.config.heartbeat_interval)
 
     def _spawn(self, slot: WorkerSlot) -> WorkerProcess:
         """A new process for `slot`, started from the spawner thread."""

@@ -24,10 +24,10 @@ from typing import Any
 
 from ..errors import InvalidInputError, parts_of
 from ._messages import (
-    Beat,
     Done,
     Failed,
     Forget,
+    Heartbeat,
     Ready,
     RunTask,
     Stop,
@@ -85,7 +85,7 @@ def _watchdog(parent_pid: int, sender: _Sender, ready: threading.Event, interval
         now = time.monotonic()
         if ready.is_set() and now >= next_beat:
             try:
-                sender.send(Beat(beats))
+                sender.send(Heartbeat(beats))
             except OSError:
                 os._exit(1)  # the supervisor closed its end
             beats, next_beat = beats + 1, now + interval
@@ -131,15 +131,15 @@ def main(
     cpus: tuple[int, ...],
     threads: int,
     warm_zentorch: bool,
-    beat_interval: float,
+    heartbeat_interval: float,
 ) -> None:
     """Entry point of a spawned worker. Messages (`_messages`, never tensor bytes):
 
     in:  `RunTask` with one descriptor attached per `spec.buffers` entry marked sent, in order,
          then the socket `spec.reply` is written to, where set; `Forget` (unmap, no answer);
          `Stop`. `spec.forget`: buffers to unmap.
-    out: `Ready`; `Done` (after `spec.reply` is written); `Failed`; `Beat` every
-         `beat_interval` s from the watchdog thread.
+    out: `Ready`; `Done` (after `spec.reply` is written); `Failed`; `Heartbeat` every
+         `heartbeat_interval` s from the watchdog thread.
 
     After `Failed` the worker keeps none of the task's buffers mapped; the supervisor sends
     their descriptors again when it next needs them.
@@ -148,7 +148,7 @@ def main(
     sender, ready = _Sender(conn), threading.Event()
     threading.Thread(
         target=_watchdog,
-        args=(parent_pid, sender, ready, beat_interval),
+        args=(parent_pid, sender, ready, heartbeat_interval),
         name="zen-mla-watchdog",
         daemon=True,
     ).start()
