@@ -13,7 +13,7 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, ClientRequest, Exchange, NoRegionError
 from ._deadline import Deadline
 from ._resend import Resend
 from ._retry import Translated
@@ -39,9 +39,9 @@ async def _parts(parts: list[bytes | memoryview]) -> AsyncIterator[bytes]:
         yield part  # type: ignore[misc]  # memoryviews go to the socket as they are
 
 
-def _over_socket(call: Call, regions: RegionSet) -> PrefillOutput | None:
-    with call.laid_out(regions) as layout:
-        return call.over_socket(regions, layout)
+def _over_socket(pending: ClientRequest, regions: RegionSet) -> PrefillOutput | None:
+    with pending.laid_out(regions) as layout:
+        return pending.over_socket(regions, layout)
 
 
 class AsyncPrefillClient(BaseClient):
@@ -120,38 +120,42 @@ class AsyncPrefillClient(BaseClient):
         out: torch.Tensor | None = None,
     ) -> PrefillOutput:
         """As `PrefillClient.prefill`."""
-        call = self._call(
+        pending = self._request(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
             request_id=request_id, out=out,
         )  # fmt: skip
-        async with _async_call(call.deadline):
+        async with _async_call(pending.deadline):
             while True:
-                with call.attempt() as i:
-                    return await self._attempt(i, call)
-                await asyncio.sleep(call.wait)
+                with pending.attempt() as i:
+                    return await self._attempt(i, pending)
+                await asyncio.sleep(pending.wait)
 
-    async def _attempt(self, i: int, call: Call) -> PrefillOutput:
-        regions = await self._regions_for(i, call.deadline, for_call=True)
+    async def _attempt(self, i: int, pending: ClientRequest) -> PrefillOutput:
+        regions = await self._regions_for(i, pending.deadline, for_call=True)
         if regions is not None:
             try:
-                return await self._over_regions(i, call, regions)
+                return await self._over_regions(i, pending, regions)
             except NoRegionError:
                 await self._refused(i)
-        status, headers, body = await self._send(i, call.post(), call.deadline)
-        return call.decoded(status, body, headers)
+        status, headers, body = await self._send(i, pending.post(), pending.deadline)
+        return pending.decoded(status, body, headers)
 
-    async def _over_regions(self, i: int, call: Call, regions: RegionSet) -> PrefillOutput:
+    async def _over_regions(
+        self, i: int, pending: ClientRequest, regions: RegionSet
+    ) -> PrefillOutput:
         if regions.client.calls:  # the whole call in one thread: copies in, the socket, out
-            result = await asyncio.to_thread(_over_socket, call, regions)
+            result = await asyncio.to_thread(_over_socket, pending, regions)
             if result is not None:
                 return result
         # the copies into the region and out of it run in a thread: the event loop stays free
         stack = contextlib.ExitStack()
-        layout = await asyncio.to_thread(stack.enter_context, call.laid_out(regions))
+        layout = await asyncio.to_thread(stack.enter_context, pending.laid_out(regions))
         with stack:
-            status, headers, body = await self._send(i, call.region_post(layout), call.deadline)
-            return await asyncio.to_thread(call.answered, status, body, headers, layout)
+            status, headers, body = await self._send(
+                i, pending.region_post(layout), pending.deadline
+            )
+            return await asyncio.to_thread(pending.answered, status, body, headers, layout)
 
     async def _send(
         self, i: int, x: Exchange, deadline: Deadline

@@ -1,8 +1,8 @@
 """What `PrefillClient` and `AsyncPrefillClient` share, all but I/O: the client's state
-(`BaseClient`) and one prefill call across its attempts (`Call`): the exchanges it sends, its
-regions and its socket call, its answers decoded. Its tensors are checked by `_inputs`, its
-endpoint chosen by `_endpoints`, a failed attempt's next step is `_retry`'s, one call's
-deadline `_deadline`'s, and when an exchange is sent again `_resend`'s."""
+(`BaseClient`) and one prefill request across its attempts (`ClientRequest`): the exchanges it
+sends, its regions and its call on the region socket, its answers decoded. Its tensors are
+checked by `_inputs`, its endpoint chosen by `_endpoints`, a failed attempt's next step is
+`_retry`'s, its deadline `_deadline`'s, and when an exchange is sent again `_resend`'s."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "HEALTH",
     "BaseClient",
-    "Call",
+    "ClientRequest",
     "Exchange",
     "NoRegionError",
 ]
@@ -67,17 +67,18 @@ class Exchange:
 HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)
 
 
-# -- one prefill call ----------------------------------------------------------------------------
+# -- one prefill request ---------------------------------------------------------------------------
 
 
 class NoRegionError(Exception):
-    """No region could be had for a call now, and the call may go without one (`shared_memory`
+    """No region could be had for a request now, and the request may go without one (`shared_memory`
     None): it goes over TCP. Never leaves the client."""
 
 
-class Call:
-    """One prefill call across its attempts: the checked request, its deadline, the endpoints
-    tried. The twins run `attempt()` blocks until one returns, waiting `wait` between them."""
+class ClientRequest:
+    """One prefill request across its attempts, as the client holds it: the checked tensors, its
+    deadline, the endpoints tried. The twins run `attempt()` blocks until one returns, waiting
+    `wait` between them."""
 
     def __init__(
         self,
@@ -222,7 +223,7 @@ class BaseClient:
     def _deadline(self) -> Deadline:
         return Deadline(self._budget)
 
-    def _call(
+    def _request(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -236,15 +237,15 @@ class BaseClient:
         kernel: str,
         request_id: str | None,
         out: torch.Tensor | None = None,
-    ) -> Call:
-        """A prefill call of checked options and tensors, as `prefill` takes them."""
+    ) -> ClientRequest:
+        """A prefill request of checked options and tensors, as `prefill` takes them."""
         options = wire.options_metadata(
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel, request_id=request_id
         )
         tensors = checked_tensors(q, k, v, q_cu_seq_lens, kv_cu_seq_lens)
         outputs = AnswerSpec.of(tensors, return_lse, out)
         weight = weigh(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
-        return Call(tensors, options, outputs, weight, self)
+        return ClientRequest(tensors, options, outputs, weight, self)
 
     def _offered(self, status: int, body: Bytes) -> Offer:
         """The regions a /health answer offers (`_offers.offered`). Blocking."""

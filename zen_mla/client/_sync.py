@@ -13,7 +13,7 @@ import torch
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, Call, Exchange, NoRegionError
+from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, ClientRequest, Exchange, NoRegionError
 from ._deadline import Deadline
 from ._resend import Resend
 from ._retry import Translated
@@ -27,8 +27,8 @@ class PrefillClient(BaseClient):
 
     `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
     the host part is only a name. `token`: bearer token when the service has one. `timeout`:
-    seconds for a whole call, retries included (an httpx.Timeout: each phase's, and its longest
-    for the whole call). `retries`: how often 429/503 and unreachable endpoints are retried;
+    seconds for a whole pending, retries included (an httpx.Timeout: each phase's, and its longest
+    for the whole pending). `retries`: how often 429/503 and unreachable endpoints are retried;
     apart from them, a request the server never read (a kept connection it closed as the
     request went out) is sent once more on another connection (`_resend.Resend`); once any
     byte of an answer came, never, to no endpoint. `shared_memory`: None uses the service's
@@ -70,7 +70,7 @@ class PrefillClient(BaseClient):
 
     def _regions_for(self, i: int, deadline: Deadline, for_call: bool = False) -> RegionSet | None:
         """Endpoint i's regions, asked for where they are not known (`Offer.current`); for a
-        call, None while a region refused for one stands (`Offer.for_calls`)."""
+        pending, None while a region refused for one stands (`Offer.for_calls`)."""
         if self._shared_memory is False:
             return None
         with self._regions_lock:
@@ -117,34 +117,34 @@ class PrefillClient(BaseClient):
         sent: InvalidInputError names it); one made by `empty()` is written where it lies by
         the service (no copy), unless an LSE is asked. After a failed call its contents are
         undefined."""
-        call = self._call(
+        pending = self._request(
             q, k, v, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
             request_id=request_id, out=out,
         )  # fmt: skip
-        with sync_call(call.deadline):
+        with sync_call(pending.deadline):
             while True:
-                with call.attempt() as i:
-                    return self._attempt(i, call)
-                time.sleep(call.wait)
+                with pending.attempt() as i:
+                    return self._attempt(i, pending)
+                time.sleep(pending.wait)
 
-    def _attempt(self, i: int, call: Call) -> PrefillOutput:
-        regions = self._regions_for(i, call.deadline, for_call=True)
+    def _attempt(self, i: int, pending: ClientRequest) -> PrefillOutput:
+        regions = self._regions_for(i, pending.deadline, for_call=True)
         if regions is not None:
             try:
-                return self._over_regions(i, call, regions)
+                return self._over_regions(i, pending, regions)
             except NoRegionError:
                 self._refused(i)
-        status, headers, body = self._send(i, call.post(), call.deadline)
-        return call.decoded(status, body, headers)
+        status, headers, body = self._send(i, pending.post(), pending.deadline)
+        return pending.decoded(status, body, headers)
 
-    def _over_regions(self, i: int, call: Call, regions: RegionSet) -> PrefillOutput:
-        with call.laid_out(regions) as layout:
-            result = call.over_socket(regions, layout)
+    def _over_regions(self, i: int, pending: ClientRequest, regions: RegionSet) -> PrefillOutput:
+        with pending.laid_out(regions) as layout:
+            result = pending.over_socket(regions, layout)
             if result is not None:
                 return result
-            status, headers, body = self._send(i, call.region_post(layout), call.deadline)
-            return call.answered(status, body, headers, layout)
+            status, headers, body = self._send(i, pending.region_post(layout), pending.deadline)
+            return pending.answered(status, body, headers, layout)
 
     def _send(self, i: int, x: Exchange, deadline: Deadline) -> tuple[int, httpx.Headers, Bytes]:
         """Status, headers and body of one exchange with endpoint i, sent again where the
