@@ -979,6 +979,17 @@ def test_the_readme_opens_with_the_service_and_the_tests() -> None:
     assert ["./scripts/serve"] in commands and ["./scripts/test"] in commands
 
 
+def test_the_readme_library_example_runs_as_written() -> None:
+    """The README's library example, run as a user would paste it (the kernels of this host)."""
+    section = README.read_text().split("## The library", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block is not None, "no python block under ## The library"
+    scope: dict[str, Any] = {}
+    exec(compile(block.group(1), "README.md", "exec"), scope)
+    out, lse, heads = scope["out"], scope["lse"], scope["H"]
+    assert out.shape == (3072, heads, 128) and lse.shape == (heads, 3072)
+
+
 SETTINGS_ROW = "## Settings\n\n| flag | default | meaning |\n|---|---|---|\n| {} | {} | x |\n"
 LIBRARY_ROW = (
     "## Environment of the library\n\n| variable | default | meaning |\n|---|---|---|\n"
