@@ -1,5 +1,5 @@
-"""Shared pieces of the benchmark scripts: the contract's reference batches, timing, tables, the
-CPUs a benchmark and its service run on."""
+"""Shared pieces of the benchmark scripts: the contract's reference batches (built as the tests
+build theirs: tests/batches.py), timing, tables, the CPUs a benchmark and its service run on."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tests.batches import BatchSpec, make_batch
 
 OUT_DIR = Path(__file__).parent / "out"
 H, DQK, DV = 16, 192, 128
@@ -36,23 +38,14 @@ REFERENCE_BATCHES = {
 }
 
 
-def cu(lens: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
-
-
 def make_inputs(spec: RefBatch, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tq, tk = sum(spec.q_lens), sum(spec.kv_lens)
-    return {
-        "q": torch.randn(tq, H, DQK, generator=gen).bfloat16(),
-        "k": torch.randn(tk, H, DQK, generator=gen).bfloat16(),
-        "v": torch.randn(tk, H, DV, generator=gen).bfloat16(),
-        "q_cu_seq_lens": cu(spec.q_lens),
-        "kv_cu_seq_lens": cu(spec.kv_lens),
-    }
+    """The batch's bf16 tensors of the contract's heads, by the names the service takes; both
+    cumulative lengths int32."""
+    q, k, v, q_cu, kv_cu = make_batch(
+        BatchSpec(spec.q_lens, spec.kv_lens), (H, DQK, DV), torch.bfloat16, seed
+    )
+    assert kv_cu is not None
+    return {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu, "kv_cu_seq_lens": kv_cu.int()}
 
 
 def useful_flops(spec: RefBatch) -> float:

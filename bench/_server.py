@@ -1,7 +1,9 @@
-"""The service as the benchmarks start it: `zen-mla serve` in a process of its own, on a free
-loopback port (or a Unix socket), on the CPUs a benchmark gives it; and the Server-Timing parts of
-its answers. Runtime dependencies only (no tritonclient): every benchmark that needs a server
-imports it from here."""
+"""The service as the benchmarks and the service tests start it: `zen-mla serve` in a process
+of its own, on a free loopback port (or a Unix socket), waited on until `/health` says ok (on
+the CPUs a benchmark gives it: `start_server`); and the Server-Timing parts of its answers.
+Runtime dependencies only (no tritonclient, no pytest): every benchmark that needs a server
+imports it from here, and tests/service/servers.py starts its servers with `launch` and
+`wait_started`."""
 
 from __future__ import annotations
 
@@ -10,12 +12,70 @@ import os
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import httpx
 
+from tests.processes import wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
+SERVE = (sys.executable, "-c", "from service.cli import main; main()", "serve")
+
+
+def free_port() -> int:
+    """A loopback port no one listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    where: list[str],
+    env: dict[str, str],
+    out: int | IO[bytes] = subprocess.DEVNULL,
+    preexec_fn: Callable[[], object] | None = None,
+) -> subprocess.Popen[bytes]:
+    """`zen-mla serve` of this checkout at `where` (`--port N` or `--uds PATH`), in `env`, its
+    output (stdout and stderr) to `out`; not waited on (`wait_started`)."""
+    return subprocess.Popen(
+        [*SERVE, *where],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        preexec_fn=preexec_fn,
+    )
+
+
+def ready(url: str, uds: str | None = None) -> bool:
+    """Whether `/health` at `url` (through the Unix socket `uds`, where given) says ok now."""
+    if uds is not None and not os.path.exists(uds):
+        return False  # not yet: httpcore leaks the socket of a failed Unix connect
+    transport = httpx.HTTPTransport(uds=uds) if uds else None
+    try:
+        with httpx.Client(transport=transport, timeout=10) as client:
+            return bool(client.get(url + "/health").json()["status"] == "ok")
+    except (httpx.HTTPError, OSError, ValueError):
+        return False
+
+
+def wait_started(
+    process: subprocess.Popen[bytes],
+    url: str,
+    uds: str | None = None,
+    timeout: float = 180,
+    logs: Callable[[], str] = lambda: "",
+) -> None:
+    """Returns once `process`, a `zen-mla serve` at `url`, says ok on `/health`; an
+    AssertionError with its `logs()` where it exits first or is not ready within `timeout`."""
+
+    def up() -> bool:
+        assert process.poll() is None, f"server exited:\n{logs()}"
+        return ready(url, uds)
+
+    wait_for(up, timeout, lambda: f"server not ready within {timeout} s:\n{logs()}", step=0.2)
 
 
 def start_server(
@@ -27,10 +87,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`zen-mla serve` (on `cpus` only, where given: its workers find those), ready; `settings`
     as ZEN_MLA_<NAME> variables."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    where = ["--uds", uds] if uds else ["--port", str(port)]
+    port = free_port()
     env = dict(
         os.environ,
         ZEN_MLA_HTTP=http,
@@ -39,34 +96,18 @@ def start_server(
         ZEN_MLA_SYSTEM_SHM="true" if system_shm else "false",
     )
     env |= {f"ZEN_MLA_{k.upper()}": v for k, v in (settings or {}).items()}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from service.cli import main; main()",
-            "serve",
-            *where,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = launch(
+        ["--uds", uds] if uds else ["--port", str(port)],
+        env,
         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     url = "http://zen-mla" if uds else f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if uds is None or os.path.exists(uds):
-            try:
-                transport = httpx.HTTPTransport(uds=uds) if uds else None
-                with httpx.Client(transport=transport, timeout=2) as client:
-                    if client.get(url + "/health").json()["status"] == "ok":
-                        return proc, url
-            except (httpx.HTTPError, ValueError):
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server ({http}) did not start")
+    try:
+        wait_started(proc, url, uds)
+    except AssertionError as exc:
+        proc.kill()
+        raise RuntimeError(f"server ({http}) did not start: {exc}") from None
+    return proc, url
 
 
 def server_timing(response: httpx.Response) -> dict[str, float]:

@@ -16,11 +16,16 @@ import argparse
 import json
 import platform
 import socket
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
 from _common import OUT_DIR, table
 from _server import start_server
 

@@ -39,6 +39,7 @@ from _server import start_server
 from kernel import cpu_line
 
 import zen_mla
+from tests.batches import cu_seq_lens
 from zen_mla import copying
 from zen_mla.vllm import RemoteSettings, backend_class
 
@@ -56,7 +57,7 @@ def _ways(backend: Any, n: int, scale: float) -> dict[str, Callable[[], object]]
     """The three ways of one call of `n` new tokens."""
     q, k = (torch.randn(n, c.H, c.DQK).bfloat16() for _ in range(2))
     v = torch.randn(n, c.H, 2 * c.DV).bfloat16()[..., c.DV :]  # vLLM's split view
-    qc = c.cu([n])
+    qc = cu_seq_lens([n], torch.int32)
     small = copying.SMALL_COPY_BYTES
 
     def call(bound: int) -> None:

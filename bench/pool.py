@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 import _common as c
 
 import zen_mla
+from tests.batches import cu_seq_lens
 from zen_mla.attention import select_kernel, validate
 from zen_mla.pool import PoolConfig, WorkerPool
 from zen_mla.pool._schedule import schedule
@@ -34,15 +35,15 @@ def plan_on_paper(workers: int = 12) -> str:
     for name in ("long", "mixed"):
         spec = c.REFERENCE_BATCHES[name]
         plan = schedule(
-            tuple(c.cu(spec.q_lens).tolist()),
-            tuple(c.cu(spec.kv_lens).tolist()),
+            tuple(cu_seq_lens(spec.q_lens).tolist()),
+            tuple(cu_seq_lens(spec.kv_lens).tolist()),
             c.H,
             spec.causal,
             workers,
         )
         loads = [sum(p.cost for p in mine) for mine in plan]
         ideal = sum(loads) / workers
-        q_cu = c.cu(spec.q_lens).tolist()
+        q_cu = cu_seq_lens(spec.q_lens).tolist()
         for w, mine in enumerate(plan):
             desc = []
             for p in mine:

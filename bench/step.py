@@ -40,6 +40,7 @@ from _server import start_server
 from kernel import cpu_line
 
 import zen_mla
+from tests.batches import cu_seq_lens
 from zen_mla.attention.merge import merge_attn_states
 from zen_mla.vllm import RemoteSettings, backend_class
 
@@ -64,8 +65,9 @@ def rand(n: int, d: int) -> torch.Tensor:
 
 
 def in_process(new: int, ctx: int) -> Callable[[], object]:
-    q, k, v, qc = rand(new, c.DQK), rand(new, c.DQK), rand(new, c.DV), c.cu([new])
-    ck, cv, kc = rand(ctx, c.DQK), rand(ctx, c.DV), c.cu([ctx])
+    q, k, v = rand(new, c.DQK), rand(new, c.DQK), rand(new, c.DV)
+    qc = cu_seq_lens([new], torch.int32)
+    ck, cv, kc = rand(ctx, c.DQK), rand(ctx, c.DV), cu_seq_lens([ctx], torch.int32)
 
     def layer() -> object:
         if not ctx:
@@ -82,8 +84,9 @@ def in_process(new: int, ctx: int) -> Callable[[], object]:
 
 
 def through(backend: Any, path: str, new: int, ctx: int) -> Callable[[], object]:
-    q, k, v, qc = rand(new, c.DQK), rand(new, c.DQK), rand(new, c.DV), c.cu([new])
-    ck, cv, kc = rand(ctx, c.DQK), rand(ctx, c.DV), c.cu([ctx])
+    q, k, v = rand(new, c.DQK), rand(new, c.DQK), rand(new, c.DV)
+    qc = cu_seq_lens([new], torch.int32)
+    ck, cv, kc = rand(ctx, c.DQK), rand(ctx, c.DV), cu_seq_lens([ctx], torch.int32)
     client = backend.client
 
     def layer() -> object:

@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,41 +32,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
+from _server import start_server
 
 import zen_mla
+from tests.prefill_steps import Step, StepSpec, make_step
 from zen_mla.attention.merge import merge_attn_states, merge_many
-from zen_mla.vllm import ContextKV, RemoteSettings, backend_class
+from zen_mla.vllm import RemoteSettings, backend_class
 
-ROOT = Path(__file__).resolve().parent.parent
 SCALE = c.DQK**-0.5
 
 
-@dataclass
-class Step:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    query_start_loc: torch.Tensor
-    context: list[ContextKV]
-
-
-def make_step(new_lens: list[int], chunk_lens: list[list[int]], seed: int = 0) -> Step:
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(n: int, d: int) -> torch.Tensor:
-        return torch.randn(n, c.H, d, generator=gen).bfloat16()
-
-    t = sum(new_lens)
-    context = [
-        ContextKV(rand(sum(lens), c.DQK), rand(sum(lens), c.DV), c.cu(lens)) for lens in chunk_lens
-    ]
-    return Step(rand(t, c.DQK), rand(t, c.DQK), rand(t, c.DV), c.cu(new_lens), context)
-
-
 STEPS = {
-    "chunk": ([256] * 4, [[2048] * 4]),
-    "chunk/4": ([256] * 4, [[512] * 4] * 4),
-    "mixed": (c.REFERENCE_BATCHES["mixed"].q_lens, []),
+    "chunk": StepSpec([256] * 4, [[2048] * 4]),
+    "chunk/4": StepSpec([256] * 4, [[512] * 4] * 4),
+    "mixed": StepSpec(c.REFERENCE_BATCHES["mixed"].q_lens, []),
 }
 
 
@@ -136,39 +112,6 @@ def mib_sent(step: Step) -> float:
     return nbytes / 2**20
 
 
-def start_server() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
-    env |= {"ZEN_MLA_MAX_BODY_BYTES": str(1 << 30), "ZEN_MLA_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from service.cli import main; main()",
-            "serve",
-            "--port",
-            str(port),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).json()["status"] == "ok":
-                return proc, url
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("zen-mla serve did not start")
-
-
 def cpu_name() -> str:
     status = zen_mla.host_kernels()["cpu"]
     family = status.get("family")
@@ -180,15 +123,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    proc, url = start_server()
+    proc, url = start_server("httptools")
     try:
         backend = backend_class()(
             c.H, SCALE, 512, 128, 64, c.DV, None, settings=RemoteSettings(urls=(url,))
         )
         workers = len(httpx.get(url + "/health").json()["workers"])
         rows = []
-        for name, (new_lens, chunk_lens) in STEPS.items():
-            step = make_step(new_lens, chunk_lens)
+        for name, spec in STEPS.items():
+            step = make_step(spec, (c.H, c.DQK, c.DV), torch.bfloat16)
             fns = {
                 "in-process ragged_attention": in_process(step),
                 "backend, sequential (vLLM's calls)": sequential(backend, step),

@@ -39,6 +39,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
 import _common as c
 from _server import ROOT, start_server
 from _ttft_engine import cpu_mla_is_default

@@ -1,5 +1,6 @@
 """Ragged batches for the tests, by named case: random q/k/v in the flash-attn varlen layout
-with their cumulative sequence lengths."""
+with their cumulative sequence lengths. No pytest here: the benchmarks build theirs with it
+too (bench/_common.py)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ EMPTY_SPECS = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def cu_seq_lens(lens: list[int]) -> torch.Tensor:
-    """`[len(lens) + 1]` int64: 0, then the running sums of `lens`."""
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()])
+def cu_seq_lens(lens: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`[len(lens) + 1]` of `dtype`: 0, then the running sums of `lens`."""
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=dtype)
 
 
 def make_batch(spec: BatchSpec, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0):
@@ -53,6 +54,6 @@ def make_batch(spec: BatchSpec, heads: tuple[int, int, int], dtype: torch.dtype,
     q = torch.randn(tq, h, dqk, generator=gen).to(dtype)
     k = torch.randn(tk, h, dqk, generator=gen).to(dtype)
     v = torch.randn(tk, h, dv, generator=gen).to(dtype)
-    q_cu = cu_seq_lens(spec.q_lens).to(torch.int32)
+    q_cu = cu_seq_lens(spec.q_lens, torch.int32)
     kv_cu = None if spec.kv_lens is None else cu_seq_lens(kv_lens)
     return q, k, v, q_cu, kv_cu

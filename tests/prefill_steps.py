@@ -1,6 +1,7 @@
 """Prefill steps with cached context, as vLLM's MLA path splits them: each request's new tokens
 (causal over themselves) and its context in chunks (non-causal), built with the whole attention
-the parts must add up to (bottom-right causal over context + new tokens)."""
+the parts must add up to (bottom-right causal over context + new tokens). No pytest here:
+bench/vllm_backend.py builds its steps with it too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.batches import cu_seq_lens
 from zen_mla.vllm import ContextKV
 
 
@@ -26,10 +28,6 @@ STEP_SPECS = {
     "no_context": StepSpec([5, 3], []),
     "longer": StepSpec([64, 32], [[128, 96], [64, 0]]),
 }
-
-
-def cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()]).int()
 
 
 @dataclass
@@ -59,8 +57,8 @@ def make_step(
     context = []
     for lens in spec.chunk_lens:
         n = sum(lens)
-        context.append(ContextKV(rand(n, dqk), rand(n, dv), cu(lens)))
-    qc = cu(spec.new_lens).tolist()
+        context.append(ContextKV(rand(n, dqk), rand(n, dv), cu_seq_lens(lens, torch.int32)))
+    qc = cu_seq_lens(spec.new_lens, torch.int32).tolist()
     full_k, full_v, full_lens = [], [], []
     for r in range(len(spec.new_lens)):
         ks, vs = [], []
@@ -77,9 +75,9 @@ def make_step(
         q,
         k,
         v,
-        cu(spec.new_lens),
+        cu_seq_lens(spec.new_lens, torch.int32),
         context,
         torch.cat(full_k),
         torch.cat(full_v),
-        cu(full_lens),
+        cu_seq_lens(full_lens, torch.int32),
     )

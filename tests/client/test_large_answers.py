@@ -1,7 +1,7 @@
 """Large answers (1 MiB and more): the blocking client reads them from the socket straight into
 its answer memory, and both clients reuse that memory once a call's results are dropped. Against
 hand-written servers (tests/client/fake_server.py); the real service's are in
-tests/service/test_prefill.py."""
+tests/service/routes/test_prefill.py."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from tests.client.fake_server import (
     response,
     safetensors_body,
 )
+from tests.processes import wait_for
 from tests.service.region_clients import region_socket
 from tests.service.servers import Server, serve, server_fixture
 from zen_mla.client import AsyncPrefillClient, PrefillClient
@@ -143,14 +144,16 @@ def budget_spent(server: Server) -> Iterator[None]:
     holder = RegionClient(region_socket(server), None)
     fd = create_sealed_memfd(BUDGET)
     try:
-        for _ in range(100):  # until the server has read that an earlier holder's socket closed
+
+        def registered() -> bool:
             try:
                 holder.register(fd)
-                break
             except zen_mla.InvalidInputError:
-                time.sleep(0.05)
-        else:
-            raise AssertionError("the budget stayed taken")
+                return False
+            return True
+
+        # until the server has read that an earlier holder's socket closed
+        wait_for(registered, 5, "the budget stayed taken")
         yield
     finally:
         holder.close()
@@ -180,12 +183,11 @@ def test_regions_are_tried_again_once_the_refusal_no_longer_stands(budgeted):
             offer = client._regions[0]
             assert offer.regions is not None and offer.for_calls() is None
             assert offer.refused_until - time.monotonic() <= offers.RECHECK_REFUSED_S
-        used = False
-        for _ in range(50):  # until the service has read that the holder's connection closed
+
+        def used_again() -> bool:
             offer.refused_until = 0.0  # the refusal's time passed
             assert torch.equal(client.prefill(q, k, v, cu), want)
-            if offer.for_calls() is not None:
-                used = True
-                break
-            time.sleep(0.1)
-        assert used, "the regions were not used again"
+            return offer.for_calls() is not None
+
+        # until the service has read that the holder's connection closed
+        wait_for(used_again, 10, "the regions were not used again", 0.1)

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.memfds import UNMAPPABLE
+from tests.processes import wait_for
 from tests.regions.region_sockets import refused, running
 from zen_mla import InvalidInputError
 from zen_mla.pool import SharedBuffer
@@ -288,10 +289,8 @@ def test_a_frame_sent_whole_is_read_in_one_turn_and_never_past_its_end(tmp_path)
         assert recv_frame(s)["ok"]
         assert len(calls) == 1
         s.sendall(encode_frame({"op": "unregister", "region": "a"})[:6])  # cut in its body
-        deadline = time.monotonic() + 5
-        while len(calls) < 2:  # until the server has read the first part (and waits for more)
-            assert time.monotonic() < deadline, "the server never read the frame's first part"
-            time.sleep(0.01)
+        # until the server has read the first part (and waits for more)
+        wait_for(lambda: len(calls) >= 2, 5, "the server never read the frame's first part", 0.01)
         s.sendall(encode_frame({"op": "unregister", "region": "a"})[6:])
         assert recv_frame(s)["status"] == 422
         assert len(calls) == 3

@@ -20,7 +20,7 @@ worker from the event loop): both ways to a worker at once, the mix that once cl
 twice. After the load, `then_each_path` asks each path once more, one call at a time.
 
 A call is right when it equals `zen_mla.ragged_attention` on the same tensors bit for bit (the
-service runs the same kernel; tests/service/test_prefill.py asks the same); a wrong one says
+service runs the same kernel; tests/service/routes/test_prefill.py asks the same); a wrong one says
 which tokens and heads differ, and whether it is within the fp64 reference's tolerance all the
 same. A 429 is retried after its Retry-After, at most `RETRIES` times, by every caller (the
 library clients do it themselves): only a call that fails in the end counts as failed.

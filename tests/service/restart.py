@@ -4,10 +4,10 @@ again at the same URL (tests/service/servers.py picks a new port for each server
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.processes import eventually
 from tests.service.servers import Server, serve
 
 
@@ -55,9 +55,5 @@ def requests_answered(
     """`requests_counted` of 200s once it reaches `at_least` or `timeout` passed: a call its
     worker answered is counted when the service reads the worker's Done, just after the client
     has its reply."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answered = requests_counted(server, routes)
-        if answered >= at_least or time.monotonic() >= deadline:
-            return answered
-        time.sleep(0.02)
+    eventually(lambda: requests_counted(server, routes) >= at_least, timeout, 0.02)
+    return requests_counted(server, routes)

@@ -1,5 +1,5 @@
 """Real `zen-mla serve` processes on loopback (or on a Unix socket) for the service tests, and
-waiting on them.
+waiting on them; started and waited on as the benchmarks start theirs (bench/_server.py).
 
 Starting one takes seconds, so a test that does is marked slow: through a fixture made with
 `server_fixture` (conftest.py marks every test that uses one, directly or through another
@@ -13,10 +13,7 @@ import functools
 import os
 import resource
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +21,9 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+
+from bench._server import free_port, launch, wait_started
+from tests.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -52,12 +52,6 @@ def check_slow() -> None:
             "this test starts a server but is not marked slow: mark it @pytest.mark.slow, or "
             "take the server from a fixture made with server_fixture"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -95,14 +89,13 @@ def serve(
     check_slow()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
-    args = [sys.executable, "-c", "from service.cli import main; main()", "serve"]
     if uds:
         path = str(tmp / "zen-mla.sock")
-        args += ["--uds", path]
+        where = ["--uds", path]
         url = "http://zen-mla"
     else:
         port = port or free_port()
-        args += ["--port", str(port)]
+        where = ["--port", str(port)]
         url, path = f"http://127.0.0.1:{port}", None
     log = log or tmp / "server.log"
     with log.open("ab") as out:
@@ -111,24 +104,10 @@ def serve(
             if nofile is None
             else functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, nofile)
         )
-        process = subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit
-        )
+        process = launch(where, env, out, limit)
     server = Server(url, process, log, path)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, f"server exited:\n{server.logs()}"
-            assert time.monotonic() < deadline, f"server not ready:\n{server.logs()}"
-            if path is not None and not os.path.exists(path):
-                time.sleep(0.2)  # httpcore leaks the socket of a failed Unix connect
-                continue
-            try:
-                if server.health()["status"] == "ok":
-                    break
-            except (httpx.HTTPError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
+        wait_started(process, url, path, logs=server.logs)
         yield server
     finally:
         if process.poll() is None:
@@ -142,32 +121,36 @@ def serve(
 
 def wait_ready(server: Server, timeout: float = 60) -> dict:
     """`/health` once it says ok with every worker alive (after a worker was replaced)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ready() -> dict | None:
         health = server.health()
-        if health["status"] == "ok" and all(w["alive"] for w in health["workers"]):
-            return health
-        assert time.monotonic() < deadline, health
-        time.sleep(0.1)
+        alive = all(w["alive"] for w in health["workers"])
+        return health if health["status"] == "ok" and alive else None
+
+    return wait_for(ready, timeout, lambda: f"not ready within {timeout} s: {server.health()}", 0.1)
 
 
 def busy_worker(server: Server, timeout: float = 60) -> dict:
     """`/health`'s entry for a worker once one is busy: it holds a task (stopped or killed from
     now on, the task is lost with it, not still waiting in a queue)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = server.health()["workers"]
-        busy = [w for w in workers if w["state"] == "busy"]
-        if busy:
-            return busy[0]
-        assert time.monotonic() < deadline, f"no worker took the work within {timeout} s: {workers}"
-        time.sleep(0.02)
+
+    def busy() -> dict | None:
+        return next((w for w in server.health()["workers"] if w["state"] == "busy"), None)
+
+    return wait_for(
+        busy,
+        timeout,
+        lambda: f"no worker took the work within {timeout} s: {server.health()['workers']}",
+        0.02,
+    )
 
 
 def wait_draining(server: Server, timeout: float = 10) -> None:
     """Until `/health` says the server is draining: it has handled the SIGTERM sent it (the
     signal's handler sets the flag the compute routes read)."""
-    deadline = time.monotonic() + timeout
-    while (health := server.health())["status"] != "draining":
-        assert time.monotonic() < deadline, f"not draining {timeout} s after SIGTERM: {health}"
-        time.sleep(0.02)
+    wait_for(
+        lambda: server.health()["status"] == "draining",
+        timeout,
+        lambda: f"not draining {timeout} s after SIGTERM: {server.health()}",
+        0.02,
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import rss, wait_for
+from tests.processes import eventually, rss, wait_for
 from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
 from tests.service.raw import (
     MIB,
@@ -263,13 +263,13 @@ def test_health_is_503_while_no_worker_is_alive(tmp_path):
         os.kill(pid, signal.SIGKILL)
         seen = []
         with server.client() as c:
-            end = time.monotonic() + 60
-            while time.monotonic() < end:
+
+            def replaced() -> bool:
                 r = c.get("/health")
                 seen.append((r.status_code, r.json()["status"]))
-                if r.status_code == 200 and r.json()["workers"][0]["pid"] != pid:
-                    break
-                time.sleep(0.02)
+                return r.status_code == 200 and r.json()["workers"][0]["pid"] != pid
+
+            eventually(replaced, 60, 0.02)
             assert c.head("/health").status_code == 200
         assert (503, "no_worker") in seen, seen
         assert all(code == 503 for code, word in seen if word == "no_worker"), seen

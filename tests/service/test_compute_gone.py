@@ -17,6 +17,7 @@ from service.forms.base import RequestRecord
 from service.pipeline import ClientGoneError, Held, compute
 from service.settings import Settings
 from service.state import ServiceState
+from tests.processes import wait_for
 from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine, Reply, SharedBuffer
 
 pytestmark = pytest.mark.slow
@@ -87,10 +88,8 @@ def test_any_other_job_is_a_hang_up(engine):
     qk = torch.randn(4096, 16, 192, generator=g)
     cu = torch.tensor([0, 4096], dtype=torch.int32)
     long = engine.run(engine.prepare({"q": qk, "k": qk, "v": qk[..., :128], "q_cu_seq_lens": cu}))
-    deadline = time.monotonic() + 30
-    while long.started_at is None:  # the worker has taken it
-        assert time.monotonic() < deadline, "the long job never started"
-        time.sleep(0.001)
+    # the worker has taken it
+    wait_for(lambda: long.started_at is not None, 30, "the long job never started", 0.001)
     try:
         with pytest.raises(ClientGoneError):
             _hung_up_compute(engine, None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.batches import BatchSpec, make_batch
 from tests.reference import assert_close_to_reference
 from tests.service.servers import free_port
 from zen_mla.client import AsyncPrefillClient, PrefillClient
@@ -18,10 +19,9 @@ H, DQK, DV = 4, 192, 128
 
 
 def _batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(20, H, DQK, generator=g).to(torch.bfloat16) for _ in range(2))
-    v = torch.randn(20, H, DV, generator=g).to(torch.bfloat16)
-    return q, k, v, torch.tensor([0, 7, 20], dtype=torch.int32)
+    """Two requests of 7 and 13 tokens: q, k, v and q's cumulative lengths."""
+    q, k, v, q_cu, _ = make_batch(BatchSpec([7, 13]), (H, DQK, DV), torch.bfloat16, seed)
+    return q, k, v, q_cu
 
 
 def _padded_out() -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,9 @@ import torch
 
 import zen_mla
 from tests.batches import DTYPES, EMPTY_SPECS, BatchSpec, make_batch
-from tests.processes import open_fds
+from tests.processes import eventually, open_fds
 from tests.service.bodies import OCTET
-from tests.service.servers import Server, serve
+from tests.service.servers import Server, busy_worker, serve
 from zen_mla import wire
 from zen_mla.client import PrefillClient
 
@@ -100,9 +100,8 @@ def test_running_out_of_descriptors_leaves_the_worker_and_passes(tmp_path):
                     idle.pop().close()
                 else:
                     return
-                t0 = time.monotonic()
-                while open_fds(spid) == before and time.monotonic() - t0 < 1.5:
-                    time.sleep(0.01)  # until accepted (or accepting fails), or closed
+                # until accepted (or accepting fails), or closed
+                eventually(lambda b=before: open_fds(spid) != b, 1.5)
                 stalled = stalled + 1 if open_fds(spid) == before else 0
                 if stalled == 3:
                     return  # the server accepts no more
@@ -117,12 +116,8 @@ def test_running_out_of_descriptors_leaves_the_worker_and_passes(tmp_path):
             for s in idle:
                 s.close()
         freed = time.monotonic()
-        again = None
-        while time.monotonic() - freed < 30:
-            if _post(server, _body(64 << 10), timeout=5) == 200:
-                again = time.monotonic() - freed
-                break
-            time.sleep(0.2)
+        answered = eventually(lambda: _post(server, _body(64 << 10), timeout=5) == 200, 30, 0.2)
+        again = time.monotonic() - freed if answered else None
         print(f"answers (descriptors left, status): {answers}; 200 again after {again} s")
         assert any(status == 200 for _, status in answers), answers
         assert any(status != 200 for _, status in answers), "descriptors never ran short"
@@ -153,17 +148,12 @@ def test_a_busy_worker_dies_with_a_killed_server(tmp_path):
         body = header + b"".join(bytes(c) for c in chunks)
         t = threading.Thread(target=_post, args=(server, body, 120), daemon=True)
         t.start()
-        t0 = time.monotonic()
-        while (worker := server.health()["workers"][0])["state"] != "busy":
-            assert time.monotonic() - t0 < 60, worker
-            time.sleep(0.05)
-        pid = worker["pid"]
+        pid = busy_worker(server, 60)["pid"]
         try:
             server.process.send_signal(signal.SIGKILL)
             server.process.wait(10)
             killed = time.monotonic()
-            while not _gone(pid) and time.monotonic() - killed < 5:
-                time.sleep(0.01)
+            eventually(lambda: _gone(pid), 5)
             took = time.monotonic() - killed
             print(f"orphaned worker gone {took:.3f} s after the server")
             assert _gone(pid) and took < 1.5, f"worker {pid} outlived the server"

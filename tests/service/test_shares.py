@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 import zen_mla
+from tests.processes import wait_for
 from tests.service.attacks import (
     LOCKOUT_S,
     legitimate,
@@ -94,10 +95,8 @@ def test_uploads_keeping_every_slot_leave_small_bodies_and_other_clients_in(door
     attack = threading.Thread(target=trickle, args=(door, 200 * MIB, 4, 2.3e6, stop), daemon=True)
     attack.start()
     try:
-        deadline = time.monotonic() + 10
-        while door.health()["uploads"] < 4:  # every slot taken before the others come
-            assert time.monotonic() < deadline, door.health()
-            time.sleep(0.05)
+        # every slot taken before the others come
+        wait_for(lambda: door.health()["uploads"] >= 4, 10, lambda: str(door.health()))
         with door.client() as same_address:  # the attacker's own address: a small body
             t0 = time.monotonic()
             r = _post_until_answered(same_address, small_body, LOCKOUT_S)
@@ -222,12 +221,9 @@ def test_a_flood_of_queued_work_delays_another_client_by_one_job_at_most(door):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 60
         # the flood holds half the queue at least (on a 16-core host its calls end about as
         # fast as it uploads them, and the queue seldom fills)
-        while door.health()["queued"] < 4:
-            assert time.monotonic() < deadline, door.health()
-            time.sleep(0.05)
+        wait_for(lambda: door.health()["queued"] >= 4, 60, lambda: str(door.health()))
         queued = []
         with other_client(door) as c:
             for _ in range(4):
@@ -318,10 +314,7 @@ def test_a_region_caller_of_another_uid_gets_its_answers_through_a_flood(tmp_pat
         for t in threads:
             t.start()
         try:
-            deadline = time.monotonic() + 60
-            while server.health()["queued"] < 8:
-                assert time.monotonic() < deadline, server.health()
-                time.sleep(0.05)
+            wait_for(lambda: server.health()["queued"] >= 8, 60, lambda: str(server.health()))
             parent.send("go")
             assert parent.poll(120), "the other uid's calls did not end"
             got = parent.recv()

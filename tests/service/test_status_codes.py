@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zen_mla
+from tests.processes import wait_for
 from tests.service.bodies import OCTET, body_of, good_tensors, slow_tensors
 from tests.service.servers import Server, serve, wait_draining, wait_ready
 from zen_mla.client import PrefillClient
@@ -40,13 +41,17 @@ def assert_problem(r: httpx.Response, status: int, **fields: str):
 def replaced(server: Server, pid: int, timeout: float = 60) -> dict:
     """`/health`'s entry for the worker once it is alive in a process other than `pid` (the
     service stopped `pid` and started another)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def other() -> dict | None:
         w = server.health()["workers"][0]
-        if w["alive"] and w["pid"] != pid:
-            return w
-        assert time.monotonic() < deadline, f"worker {pid} not replaced within {timeout} s: {w}"
-        time.sleep(0.1)
+        return w if w["alive"] and w["pid"] != pid else None
+
+    return wait_for(
+        other,
+        timeout,
+        lambda: f"worker {pid} not replaced within {timeout} s: {server.health()['workers'][0]}",
+        0.1,
+    )
 
 
 def assert_healthy(server):
@@ -168,10 +173,8 @@ def test_429_queue_full_then_retried(tmp_path):
 
         t = threading.Thread(target=hold)
         t.start()
-        deadline = time.monotonic() + 30
-        while server.health()["queued"] < 1:  # its body is in: an upload holds no queue place
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        # its body is in: an upload holds no queue place
+        wait_for(lambda: server.health()["queued"] >= 1, 30, "the slow request never queued", 0.02)
         with server.client() as c:
             r = c.post("/prefill", content=body_of(good_tensors()), headers=OCTET)
         assert_problem(r, 429)
@@ -253,10 +256,8 @@ def test_503_while_draining_and_in_flight_work_finishes(tmp_path):
             assert c.get("/health/live").status_code == 200
             t = threading.Thread(target=run)
             t.start()
-            deadline = time.monotonic() + 30
-            while server.health()["inflight"] < 1:
-                assert time.monotonic() < deadline, results  # answered at once, or never came
-                time.sleep(0.02)
+            # in flight (else: answered at once, or it never came)
+            wait_for(lambda: server.health()["inflight"] >= 1, 30, lambda: str(results), 0.02)
             server.process.send_signal(signal.SIGTERM)
             wait_draining(server)
             r = c.post("/prefill", content=body_of(good_tensors()), headers=OCTET)
@@ -280,10 +281,7 @@ def test_client_disconnect_frees_the_work(server):
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body[: len(body) // 2]
             )
-    deadline = time.monotonic() + 30
-    while server.health()["inflight"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not server.health()["inflight"], 30, "the cut uploads still in flight")
     assert_healthy(server)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
 import zen_mla.vllm as zen_vllm
+from tests.processes import wait_for
 from tests.service.restart import kill, requests_answered, serve_on
 from tests.vllm_engine.recording import record
 
@@ -175,10 +175,7 @@ def test_the_server_killed_between_two_generates(tiny_model, zen_mla_url, tmp_pa
         assert after.outages - before.outages == 1
         with serve_on(port, tmp_path / "server.log") as again:
             link = zen_vllm.ServiceLink.of(zen_vllm.default_settings())
-            deadline = time.monotonic() + 60
-            while not link.up:
-                assert time.monotonic() < deadline, lines.lines
-                time.sleep(0.1)
+            wait_for(lambda: link.up, 60, lambda: str(lines.lines), 0.1)
             generate(llm)
             assert requests_answered(again) == LAYERS
     finally:

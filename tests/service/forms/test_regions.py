@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ import torch
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
 from tests.memfds import UNMAPPABLE
-from tests.processes import open_fds
+from tests.processes import open_fds, wait_for
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
@@ -187,10 +186,7 @@ def test_a_region_unregistered_or_its_client_gone_is_no_longer_named(server):
     region = _region(other, 1 << 20)
     places, _ = lay_out(region, 50, lse=False)
     other.close()  # the socket closes: its regions end
-    deadline = time.monotonic() + 10
-    while post_places(server, places).status_code != 422:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: post_places(server, places).status_code == 422, 10, "the region still named")
     client.close()
 
 
@@ -309,16 +305,15 @@ def test_a_client_killed_mid_request_leaks_nothing(server):
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         assert child.stdout is not None and child.stdout.readline().strip() == b"go"
         child.stdout.close()
-        deadline = time.monotonic() + 30
-        while server.health()["queued"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: server.health()["queued"], 30, "the client's request never queued", 0.02)
         child.send_signal(signal.SIGKILL)
         child.wait()
-    deadline = time.monotonic() + 60
-    while server.health()["queued"] or (open_fds(pid), _memfd_maps(pid)) > before:
-        assert time.monotonic() < deadline, (before, open_fds(pid), _memfd_maps(pid))
-        time.sleep(0.1)
+    wait_for(
+        lambda: not server.health()["queued"] and (open_fds(pid), _memfd_maps(pid)) <= before,
+        60,
+        lambda: str((before, open_fds(pid), _memfd_maps(pid))),
+        0.1,
+    )
     health = server.health()
     assert health["status"] == "ok", json.dumps(health)
     with httpx.Client() as c:

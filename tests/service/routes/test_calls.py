@@ -20,6 +20,7 @@ import torch
 
 import zen_mla
 from tests.batches import BATCH_SPECS, make_batch
+from tests.processes import eventually, wait_for
 from tests.reference import assert_close_to_reference
 from tests.service.region_clients import lay_out, region_socket
 from tests.service.restart import requests_answered, requests_counted
@@ -128,10 +129,7 @@ def _long_call(server: Server, tokens: int = 12288) -> threading.Thread:
             c.prefill(*long_batch(tokens))
 
     t = _in_thread(run)
-    deadline = time.monotonic() + 20
-    while queue_depth(server) < 1:
-        assert time.monotonic() < deadline, "the long request never queued"
-        time.sleep(0.02)
+    wait_for(lambda: queue_depth(server) >= 1, 20, "the long request never queued", 0.02)
     return t
 
 
@@ -171,9 +169,7 @@ def test_a_retried_429_is_answered_once_there_is_room(tight):
         busy = _long_call(tight, 64)  # the one place, held until the worker goes on
 
         def go_on_once_refused() -> None:
-            deadline = time.monotonic() + 20
-            while socket_calls(tight, 429) == before and time.monotonic() < deadline:
-                time.sleep(0.02)
+            eventually(lambda: socket_calls(tight, 429) != before, 20, 0.02)
             os.kill(pid, signal.SIGCONT)  # the held call ends: there is room
 
         resume = _in_thread(go_on_once_refused)
@@ -219,13 +215,16 @@ def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
         os.kill(busy_worker(tight, 30)["pid"], signal.SIGSTOP)
         client.close()  # its work has started: it runs on, holding its place
     deadline = time.monotonic() + 30
-    while socket_calls(tight, 499) - before < 1:
-        assert time.monotonic() < deadline, "the hang-up was not counted"
-        time.sleep(0.02)
+    wait_for(
+        lambda: socket_calls(tight, 499) - before >= 1, 30, "the hang-up was not counted", 0.02
+    )
     assert queue_depth(tight) == 1  # the started work holds its place
-    while queue_depth(tight):
-        assert time.monotonic() < deadline, "its place was not freed at its deadline"
-        time.sleep(0.1)
+    wait_for(
+        lambda: not queue_depth(tight),
+        deadline - time.monotonic(),
+        "its place was not freed at its deadline",
+        0.1,
+    )
     wait_ready(tight)
     q, k, v, q_cu, _ = make_batch(BATCH_SPECS["ragged"], (2, 64, 64), torch.float32)
     with PrefillClient(tight.url, shared_memory=True) as c:
@@ -285,10 +284,11 @@ def test_a_numbered_call_is_answered_by_its_worker_with_its_number(server):
             reply = recv_frame(client._sock, time.monotonic() + 60)
             assert reply["ok"] and reply.get("call") == call, reply
             assert_close_to_reference(q, k, v, cu, None, True, out)
-        deadline = time.monotonic() + 10
-        while len(_logged(server, "numbered")) < 2 or not _logged(server, "plain"):
-            assert time.monotonic() < deadline, "no log lines for the calls"
-            time.sleep(0.05)
+        wait_for(
+            lambda: len(_logged(server, "numbered")) >= 2 and _logged(server, "plain"),
+            10,
+            "no log lines for the calls",
+        )
         assert [x["replied_by"] for x in _logged(server, "numbered")] == ["worker", "worker"]
         assert [x["replied_by"] for x in _logged(server, "plain")] == ["service"]
     finally:
