@@ -979,6 +979,12 @@ def test_the_readme_opens_with_the_service_and_the_tests() -> None:
     assert ["./scripts/serve"] in commands and ["./scripts/test"] in commands
 
 
+def test_every_page_of_docs_is_reachable_from_the_readme() -> None:
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)", README.read_text()))
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"not linked from README.md: {sorted(pages - linked)}"
+
+
 def test_the_readme_library_example_runs_as_written() -> None:
     """The README's library example, run as a user would paste it (the kernels of this host)."""
     section = README.read_text().split("## The library", 1)[1]
