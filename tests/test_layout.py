@@ -1,4 +1,4 @@
-"""The tree shows the architecture (STYLE.md 16, 17): no import circle among the project's
+"""The tree shows the architecture (docs/architecture.md): no import circle among the project's
 modules (imports inside functions count, `TYPE_CHECKING` blocks do not), imports flow one way
 (`service` -> `zen_mla`), a file past 400 lines is named for review and none passes 600, few
 modules loose at `zen_mla/`'s top, and every name one module imports from another is in that

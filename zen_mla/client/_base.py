@@ -144,7 +144,7 @@ class ClientRequest:
         Where no region can be had for it now (the service refused to register one: the user's
         byte budget spent, its regions per connection or of all its clients, no descriptor to
         spare; one could not be made here: memory, descriptors; the region socket failed), the
-        error itself with `shared_memory=True`, else NoRegionError: the call goes over TCP, with
+        error itself with `shared_memory=True`, else NoRegionError: the request goes over TCP, with
         the same answer. Blocking: it copies the tensors in."""
         with contextlib.ExitStack() as stack:
             request = regions.request(self.tensors, self.outputs.return_lse, self.outputs.into)
