@@ -12,8 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
-from zen_mla import ZenMLAError, __version__
-from zen_mla.attention import host_status
+from zen_mla import ZenMLAError, __version__, host_kernels
 from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine
 from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
@@ -39,7 +38,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
     settings = settings or Settings()
     state = ServiceState(settings, engine=engine, ready=engine is not None)
     if engine is not None:
-        state.kernels = host_status()  # probed already when the engine was made
+        state.kernels = host_kernels()  # probed already when the engine was made
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,7 +53,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
 
         async def start() -> None:
             try:
-                state.kernels = await asyncio.to_thread(host_status)  # off the event loop
+                state.kernels = await asyncio.to_thread(host_kernels)  # off the event loop
                 config = EngineConfig(
                     PoolConfig(workers=settings.worker_count, smt=settings.smt),
                     max_work=settings.max_work,

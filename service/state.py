@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zen_mla import ServiceUnavailableError
-from zen_mla.attention import HostStatus
 from zen_mla.engine import PrefillEngine
 from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
@@ -29,9 +28,9 @@ class ServiceState:
     ready: bool = False
     draining: bool = False
     start_error: str | None = None
-    # host_status(), once its probes (seconds, in a thread at start) are done; /health reads
+    # host_kernels(), once its probes (seconds, in a thread at start) are done; /health reads
     # this instead of asking, which would block the event loop on the probes meanwhile
-    kernels: HostStatus | None = None
+    kernels: dict[str, Any] | None = None
     # same-host regions (None while shared memory is off or not started); owned by the event
     # loop's thread, as the region server that fills it runs there
     regions: RegionRegistry | None = None

@@ -51,7 +51,7 @@ def _health(state: ServiceState) -> JSONResponse:
     kept for clients that read them (deprecated; removed in 0.3)."""
     now = readiness(state)
     a = state.admission
-    kernels = state.kernels.as_dict() if state.kernels is not None else None
+    kernels = state.kernels
     auto = kernels["auto"] if kernels is not None else None
     body = {
         "status": now.status,

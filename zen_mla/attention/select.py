@@ -320,7 +320,6 @@ class HostStatus:
     def as_zentorch_status(self) -> dict[str, Any]:
         """The deprecated `zentorch_status()` form: zentorch's part and the CPU at the top,
         "auto"'s choices as `auto_kernel`, `reason`, `lse_kernel`, `lse_reason`."""
-        calibration = self.as_dict()["auto"]
         return {
             **self.zentorch(),
             "cpu": asdict(self.cpu),
@@ -329,7 +328,10 @@ class HostStatus:
             "lse_kernel": self.lse_kernel,
             "lse_reason": self.lse_reason,
             "native": {"ok": self.native_ok, "reason": self.native_reason},
-            "calibration": {mode: calibration[mode]["calibration"] for mode in ("out", "lse")},
+            "calibration": {
+                "out": self.calibration.as_dict() if self.calibration else None,
+                "lse": self.lse_calibration.as_dict() if self.lse_calibration else None,
+            },
         }
 
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..attention.batch import visible_pairs
+from ..attention.batch import total_visible_pairs
 
 __all__ = ["DOWN_FOR", "Balancer", "weigh"]
 
@@ -21,10 +21,7 @@ def weigh(q: torch.Tensor, q_cu: torch.Tensor, kv_cu: torch.Tensor | None, causa
     `_inputs.checked_tensors` checked them: q 3-D, cu_seq_lens 1-D integers)."""
     qc = q_cu.tolist()
     kc = kv_cu.tolist() if kv_cu is not None else qc
-    pairs = sum(
-        visible_pairs(qc[r + 1] - qc[r], kc[r + 1] - kc[r], causal) for r in range(len(qc) - 1)
-    )
-    return int(q.shape[1]) * pairs
+    return int(q.shape[1]) * total_visible_pairs(qc, kc, causal)
 
 
 class Balancer:
