@@ -38,7 +38,10 @@ def launch(
     preexec_fn: Callable[[], object] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`zen-mla serve` of this checkout at `where` (`--port N` or `--uds PATH`), in `env`, its
-    output (stdout and stderr) to `out`; not waited on (`wait_started`)."""
+    output (stdout and stderr) to `out`; not waited on (`wait_started`). Without gRPC unless
+    `where` or `env` names its port (the default, 8001, would be one port for every server)."""
+    if "--grpc-port" not in where and "ZEN_MLA_GRPC_PORT" not in env:
+        where = [*where, "--grpc-port", "0"]
     return subprocess.Popen(
         [*SERVE, *where],
         cwd=ROOT,

@@ -8,6 +8,10 @@ one admission (`admission`), one minimum rate, one deadline and one byte budget.
   announces. A body that would pass the budget is a 429.
 - After `body_grace_s`, the bytes in must keep up with `min_body_rate` (408 below); the
   request's deadline bounds the whole read (504).
+- A message a transport reads whole (a gRPC call's, `read_message`) shows no progress until it
+  is in: it holds its upload slot meanwhile, may be cut off for another once past its grace
+  (408) while every slot is taken, and the request's deadline bounds it (504); its bytes are
+  charged once it is in.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from zen_mla.engine import PrefillEngine, SharedBuffer
 
 from .admission import Ticket
 
-__all__ = ["SMALL_BYTES", "Receive", "read_body", "release_buffer"]
+__all__ = ["SMALL_BYTES", "Receive", "read_body", "read_message", "release_buffer"]
 
 #: Work on this many bytes or fewer is done on the event loop, more in a thread (where the GIL
 #: is let go or the loop must not wait): giving a buffer back (unmapping 1 GiB takes 0.3-0.5 s),
@@ -113,6 +117,35 @@ async def read_body(
         await release_buffer(engine, buf)
         raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
     return buf
+
+
+async def read_message(
+    message: Callable[[], Awaitable[bytes]],
+    ticket: Ticket,
+    *,
+    deadline_at: float,
+    deadline_s: float,
+) -> bytes:
+    """The message `message()` awaits, for `ticket` (admitted, holding an upload slot), by
+    loop time `deadline_at` (DeadlineExceededError after); cut off for another upload (`Ticket.
+    displace`, RequestTimeoutError) as an HTTP body that shows no progress would be."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout_at(deadline_at) as timer:
+            ticket.timer = timer
+            if ticket.displaced:
+                raise TimeoutError
+            return await message()
+    except TimeoutError:
+        if ticket.displaced:
+            raise RequestTimeoutError(
+                "the message was cut off for another while every upload slot was taken: not in "
+                f"after {loop.time() - start:.1f} s"
+            ) from None
+        raise DeadlineExceededError(f"the message did not arrive within {deadline_s} s") from None
+    finally:
+        ticket.timer = None
 
 
 async def release_buffer(engine: PrefillEngine, buf: SharedBuffer) -> None:

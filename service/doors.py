@@ -1,8 +1,9 @@
 """How a request came in, as the pipeline (`pipeline`) needs to know it (`Door`): who sent it
 (the client admission counts), whether its token is good, how many bytes it brings and whether
-they are in already, and when its sender hangs up. Two doors: an HTTP request (`HttpDoor`), whose
-body is still to come, and a prefill frame on the region socket (`CallDoor`), whose bytes the
-socket's one frame reader read already."""
+they are in already, and when its sender hangs up. Three doors: an HTTP request (`HttpDoor`),
+whose body is still to come in ASGI messages; a prefill frame on the region socket (`CallDoor`),
+whose bytes the socket's one frame reader read already; and a gRPC call (`GrpcDoor`), whose one
+message grpc's transport reads whole."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import asyncio
 from collections.abc import Awaitable, Hashable, MutableMapping
 from typing import Any, Protocol
 
+import grpc
 from fastapi import Request
+from starlette.requests import ClientDisconnect
+from uvicorn.middleware.proxy_headers import _TrustedHosts
 
 from zen_mla import BodyTooLargeError, InvalidInputError, LengthRequiredError
 
@@ -18,7 +22,7 @@ from .admission import client_of
 from .body import Receive
 from .tenants import Tenants
 
-__all__ = ["CallDoor", "Door", "HttpDoor", "byte_count"]
+__all__ = ["CallDoor", "Door", "GrpcDoor", "HttpDoor", "byte_count"]
 
 
 class Door(Protocol):
@@ -28,10 +32,13 @@ class Door(Protocol):
     `body_size(limit)`: the bytes the request brings, refused above `limit` before any is read.
     `arrived()`: those bytes where the door holds them already, read by a reader of its own
     (charged as they are: no upload slot, no rate); None where they are still to come, by
-    `receive` (ASGI messages, read by the pipeline's one body reader). `gone()`: completes once
+    `receive` (ASGI messages, read by the pipeline's one body reader) or, where `whole`, by
+    `read()` (one message, read whole by the door's transport: the pipeline admits it, with
+    an upload slot, before awaiting it within the request's deadline). `gone()`: completes once
     the sender hangs up."""
 
     client: Hashable
+    whole: bool
 
     def authorize(self, tenants: Tenants) -> None:
         """The request's token checked, where one is required (UnauthorizedError otherwise);
@@ -45,6 +52,9 @@ class Door(Protocol):
 
     def receive(self) -> Awaitable[MutableMapping[str, Any]]:
         """The body's next ASGI message."""
+
+    def read(self) -> Awaitable[bytes]:
+        """The request's bytes, where they come whole (`whole`): awaited."""
 
     def gone(self) -> Awaitable[None]:
         """Completes once the sender hangs up."""
@@ -63,6 +73,8 @@ class HttpDoor:
     """An HTTP request: its client is the tenant its bearer token names, else the peer's address
     (a proxy's X-Forwarded-For only where the operator trusts that proxy: see `tenants`), its
     bytes the body its Content-Length announces."""
+
+    whole = False
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -99,6 +111,9 @@ class HttpDoor:
         """None: the body is still to come, by `receive`."""
         return None
 
+    async def read(self) -> bytes:
+        raise NotImplementedError("an HTTP body comes by receive")
+
     async def gone(self) -> None:
         """Returns once the client hangs up."""
         while True:
@@ -111,6 +126,8 @@ class CallDoor:
     """A prefill frame on the region socket: its client is the tenant the socket's hello token
     named, else the peer's uid (SO_PEERCRED); its token was checked by that hello, its bytes are
     the frame's `body`, and the socket's end is `gone`."""
+
+    whole = False
 
     def __init__(
         self,
@@ -154,5 +171,89 @@ class CallDoor:
         """The frame's body as the one ASGI message of a body (`arrived()` holds it already)."""
         return {"type": "http.request", "body": self.body(), "more_body": False}
 
+    async def read(self) -> bytes:
+        return self.body()
+
     def gone(self) -> Awaitable[None]:
         return self._gone
+
+
+def peer_host(peer: str) -> str | None:
+    """The address in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`); None for
+    a peer with none (`unix:...`)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or None
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or None
+    return None
+
+
+class GrpcDoor:
+    """A gRPC call: its client is the tenant its `authorization` metadata's bearer token names,
+    else the peer's address (a proxy's `x-forwarded-for` only where the operator trusts that
+    proxy, as on HTTP); its bytes are its one request message, read whole by grpc's transport
+    (which refuses one above the message limit before it is read), and `gone` the call's end
+    before the answer (a cancel, the caller's own deadline, a lost connection)."""
+
+    whole = True
+
+    def __init__(self, context: Any, trusted: str | None) -> None:
+        self.context = context
+        self.metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
+        host = peer_host(context.peer())
+        forwarded = self.metadata.get("x-forwarded-for")
+        if trusted is not None and isinstance(forwarded, str):
+            proxies = _TrustedHosts(trusted)
+            if host in proxies:
+                host = proxies.get_trusted_client_address(forwarded)[0] or host
+        self.client: Hashable = client_of(host)
+        self._body: bytes | None = None
+        loop = asyncio.get_running_loop()
+        self._gone: asyncio.Future[None] = loop.create_future()
+
+        def done(_: object) -> None:
+            loop.call_soon_threadsafe(_settle, self._gone)
+
+        context.add_done_callback(done)
+
+    def authorize(self, tenants: Tenants) -> None:
+        """The bearer token in the `authorization` metadata, as `HttpDoor.authorize`."""
+        if not tenants.required:
+            return
+        value = self.metadata.get("authorization", "")
+        scheme, _, token = (value if isinstance(value, str) else "").partition(" ")
+        tenant = tenants.client(token if scheme.lower() == "bearer" else None)
+        if tenant is not None:
+            self.client = tenant
+
+    async def read(self) -> bytes:
+        """The request message, read whole (ClientDisconnect where the call ended instead: the
+        caller cancelled, or grpc refused a message above its limit and ended the call)."""
+        raw = await self.context.read()
+        if not isinstance(raw, bytes) or self.context.done() or self.context.cancelled():
+            raise ClientDisconnect
+        self._body = raw
+        return raw
+
+    def body_size(self, limit: int) -> int:
+        """The message's size, at most `limit`."""
+        n = len(self._body or b"")
+        if n > limit:
+            raise BodyTooLargeError(f"message: expected at most {limit} bytes, got {n}")
+        return n
+
+    def arrived(self) -> None:
+        """None: the message is still to come, by `read`."""
+        return None
+
+    async def receive(self) -> MutableMapping[str, Any]:
+        raise NotImplementedError("a gRPC message comes whole, by message")
+
+    def gone(self) -> Awaitable[None]:
+        return self._gone
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

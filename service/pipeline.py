@@ -52,7 +52,7 @@ from zen_mla.engine import (
 
 from .admission import Ticket, client_name
 from .answer import Streamed
-from .body import SMALL_BYTES, read_body, release_buffer
+from .body import SMALL_BYTES, read_body, read_message, release_buffer
 from .doors import Door
 from .forms.base import Expect, Form, RequestRecord, Work
 from .settings import Settings
@@ -123,10 +123,25 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client: those its door holds already (a
-    region-socket frame's, read by the socket's one frame reader) charged as they are, or a body
-    still to come through the one body reader, admitted before a byte of it is read."""
+    """The request's bytes, admitted for its client: a message its door's transport reads whole
+    (a gRPC call's) admitted before it is awaited and charged once in; those its door holds
+    already (a region-socket frame's, read by the socket's one frame reader) charged as they
+    are; or a body still to come through the one body reader, admitted before a byte of it is
+    read."""
     admission = state.admission
+    s = state.settings
+    deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)
+    if door.whole:  # one message its transport reads whole: admitted before it is awaited
+        admission.check_queue(door.client)
+        ticket = held.ticket = admission.admit(expect.limit, door.client)
+        message = await read_message(
+            door.read, ticket, deadline_at=deadline_at, deadline_s=s.deadline_s
+        )
+        n = ticket.got = door.body_size(expect.limit)
+        ticket.charge(n)
+        ticket.uploaded()
+        _arrived(record, n)
+        return message
     n = door.body_size(expect.limit)
     raw = door.arrived()
     if raw is not None:
@@ -135,7 +150,6 @@ async def _read(
         return raw
     admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
     ticket = held.ticket = admission.admit(n, door.client)
-    s = state.settings
     engine = _engine(state)
     buf = await read_body(
         door.receive,
@@ -143,7 +157,7 @@ async def _read(
         engine,
         min_rate=s.min_body_rate,
         grace_s=s.body_grace_s,
-        deadline_at=asyncio.get_running_loop().time() + _remaining(s, record),
+        deadline_at=deadline_at,
         deadline_s=s.deadline_s,
         lead=expect.lead,
     )
@@ -172,8 +186,10 @@ async def _run(
     held: Held,
 ) -> A:
     engine = _engine(state)
-    if work.staging is not None:
+    if isinstance(work.staging, SharedBuffer):
         held.buffers.append(work.staging)
+    elif work.staging is not None:
+        held.buffers.extend(work.staging)
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)

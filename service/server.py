@@ -1,16 +1,19 @@
 """uvicorn, with a drain on the first SIGTERM/SIGINT: new requests get 503 while in-flight ones
-finish (up to the drain timeout), then the usual shutdown; a second signal exits at once."""
+finish (up to the drain timeout), then the usual shutdown; a second signal exits at once. The
+gRPC server (`kserve.grpc_server`) runs on uvicorn's event loop beside it."""
 
 from __future__ import annotations
 
 import logging
 import resource
+import socket
 import time
 from types import FrameType
 
 import uvicorn
 
 from .app import create_app
+from .kserve.grpc_server import start_grpc
 from .protocol import ConnectionLimits, protocol_class
 from .settings import Settings
 from .state import ServiceState
@@ -23,6 +26,19 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.drain_started: float | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's serving, with the gRPC server (`grpc_port`) on the same event loop: it
+        listens before HTTP does and stops after it, its calls drained as HTTP's are."""
+        grpc_server = None
+        if self.state.settings.grpc_port:
+            grpc_server = await start_grpc(self.state)
+            log.info("gRPC listening on port %d", self.state.settings.grpc_port)
+        try:
+            await super().serve(sockets)
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=5)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_started is None and not self.should_exit:

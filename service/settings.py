@@ -21,6 +21,13 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 only on purpose")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     uds: str | None = Field(None, description="serve on this Unix socket instead of TCP")
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="TCP port of the Open Inference Protocol over gRPC (KServe v2's "
+        "GRPCInferenceService), on the same host; 0: off",
+    )
     workers: int | Literal["auto"] = Field(
         "auto", description="'auto' (one worker per CCX) or a number of workers"
     )
@@ -167,6 +174,14 @@ class Settings(BaseSettings):
                 f"max_inflight_bytes: expected at least max_body_bytes ({self.max_body_bytes}), "
                 f"got {self.max_inflight_bytes}; a body of the largest allowed size would "
                 "always be refused"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ports(self) -> Settings:
+        if self.grpc_port and self.uds is None and self.grpc_port == self.port:
+            raise ValueError(
+                f"grpc_port: expected a port other than the HTTP port {self.port}, or 0 (off)"
             )
         return self
 

@@ -12,6 +12,8 @@ transport implements `handle_request`; the client owns the rest.)
     region-socket call      forms/call.py
     /v2 infer               kserve/infer.py
     /v2 shm registration    kserve/register.py (reads a body, computes nothing)
+    gRPC ModelInfer         kserve/grpc_infer.py
+    gRPC shm registration   kserve/grpc_infer.py (`GrpcRegisterForm`)
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class Work:
     tensors: Mapping[str, torch.Tensor]
     options: PrefillOptions
     inputs: SharedBuffer | Sequence[SharedBuffer] | None = None
-    staging: SharedBuffer | None = None  # a buffer made for the inputs: given back with the body
+    # buffers made for the inputs: given back with the body
+    staging: SharedBuffer | Sequence[SharedBuffer] | None = None
 
 
 @dataclass(frozen=True, slots=True)

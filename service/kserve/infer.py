@@ -166,7 +166,7 @@ async def _read_request(
 def _inputs(
     engine: PrefillEngine,
     req: kr.InferRequest,
-    buf: SharedBuffer,
+    buf: SharedBuffer | None,
     data_at: int,
     regions: SystemShmRegistry | None,
 ) -> dict[str, torch.Tensor]:
@@ -176,6 +176,7 @@ def _inputs(
     tensors = {}
     for name, spec in req.inputs.items():
         if spec.binary is not None:
+            assert buf is not None, "binary data lies in a buffer"
             at = data_at + spec.binary
             if at % spec.dtype.itemsize == 0:
                 tensors[name] = buf.tensor(at, spec.shape, spec.dtype)
@@ -243,20 +244,21 @@ def _from_json(spec: kr.InputSpec) -> torch.Tensor:
 def _place_inputs(
     engine: PrefillEngine,
     tensors: dict[str, torch.Tensor],
-    body: SharedBuffer,
+    body: SharedBuffer | None,
     req: kr.InferRequest,
     regions: SystemShmRegistry | None,
 ) -> tuple[list[SharedBuffer], SharedBuffer | None]:
-    """The buffers q, k and v lie in; where some lie in a region and others in none (JSON
-    data, copies), those others are staged into a buffer of ours first (returned second, for
-    the caller to release): the pool would stage all three, reading the region here."""
-    given = [body]
+    """The buffers q, k and v lie in (`body`: the one the request's binary data was read
+    into, if any); where some lie in a region and others in none (JSON data, copies), those
+    others are staged into a buffer of ours first (returned second, for the caller to release):
+    the pool would stage all three, reading the region here."""
+    given = [] if body is None else [body]
     for name in ("q", "k", "v"):
         place = req.inputs[name].shm
         if place is not None and regions is not None:
             given.append(regions.resolve(name, place.region).buffer)
     loose = [n for n in ("q", "k", "v") if not any(b.contains(tensors[n]) for b in given)]
-    if not loose or len(given) == 1:
+    if not loose or all(b is body for b in given):
         return given, None  # all in place, or the pool stages them from ordinary memory
     sizes = [-(-tensors[n].nbytes // ALIGN) * ALIGN for n in loose]
     staging = engine.buffer(sum(sizes))

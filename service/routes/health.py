@@ -1,4 +1,5 @@
-"""`GET /health` (readiness, with what the host and the workers are), `/health/live` and
+"""`GET /health` (readiness, with what the host and the workers are), `/health/ready` (the
+same, in short), `/health/live` and
 `/metrics` (Prometheus text)."""
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         return _health(state)
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    @app.get(
+        "/health/ready", responses={503: {"description": "not ready, draining, or no worker alive"}}
+    )
+    async def ready() -> JSONResponse:
+        """200 while the service takes work, else 503: what a balancer asks before it sends a
+        replica work again (`/health` says why, at more length)."""
+        now = readiness(state)
+        return JSONResponse({"status": now.status}, status_code=200 if now.ready else 503)
+
+    app.add_api_route("/health/ready", ready, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
