@@ -34,7 +34,7 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 # with this owner and mode
 USER 10001
 WORKDIR /home/zen
-EXPOSE 8000
+EXPOSE 8000 8001
 # slim images have no curl: the CLI checks /health and exits 0 when ready
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["zen-mla", "health", "http://127.0.0.1:8000"]

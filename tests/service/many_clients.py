@@ -534,8 +534,14 @@ CALLERS: list[tuple[str, Callable[..., None], int]] = [
 ]
 
 
-def run_all(server: Server, cases: list[Case], plan: Plan, join_s: float = 45.0) -> Tally:
-    """Every caller of `CALLERS` in a thread of its own at once, until each is done or
+def run_all(
+    server: Server,
+    cases: list[Case],
+    plan: Plan,
+    join_s: float = 45.0,
+    callers: list[tuple[str, Callable[..., None], int]] = CALLERS,
+) -> Tally:
+    """Every caller of `callers` in a thread of its own at once, until each is done or
     `join_s` seconds passed (those still running then are named in `hung`)."""
     tally = Tally()
     threads: list[threading.Thread] = []
@@ -547,7 +553,7 @@ def run_all(server: Server, cases: list[Case], plan: Plan, join_s: float = 45.0)
         except Exception as exc:  # a caller that could not start or went down
             tally.add(Outcome(route, f"{route}{first}", "-", 0.0, type(exc).__name__, repr(exc)))
 
-    for route, fn, n in CALLERS:
+    for route, fn, n in callers:
         for _ in range(n):
             t = threading.Thread(
                 target=guarded, args=(route, fn, start), name=f"{route}{start}", daemon=True

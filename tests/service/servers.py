@@ -60,6 +60,13 @@ class Server:
     process: subprocess.Popen[bytes]
     log: Path
     uds: str | None = None
+    grpc_port: int | None = None  # where `grpc_port` was given
+
+    @property
+    def grpc_target(self) -> str:
+        """host:port of its gRPC server."""
+        assert self.grpc_port, "started without grpc_port"
+        return f"127.0.0.1:{self.grpc_port}"
 
     def client(self, **kwargs: object) -> httpx.Client:
         transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
@@ -85,7 +92,7 @@ def serve(
 ) -> Iterator[Server]:
     """`zen-mla serve` with `settings` as ZEN_MLA_* variables; `nofile`: its (soft, hard)
     RLIMIT_NOFILE; `port`: a port of the caller's (default: a free one); `log`: the file its
-    output is appended to (default tmp/server.log)."""
+    output is appended to (default tmp/server.log). gRPC is off unless `grpc_port` is given."""
     check_slow()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
     env |= {f"ZEN_MLA_{k.upper()}": str(v) for k, v in settings.items()}
@@ -105,7 +112,7 @@ def serve(
             else functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, nofile)
         )
         process = launch(where, env, out, limit)
-    server = Server(url, process, log, path)
+    server = Server(url, process, log, path, int(str(settings.get("grpc_port", 0))) or None)
     try:
         wait_started(process, url, path, logs=server.logs)
         yield server

@@ -156,8 +156,8 @@ def _other_than_default(name: str) -> tuple[list[str], object]:
     if kinds == [bool]:
         return ([flag] if not default else [f"--no-{flag[2:]}"]), not default
     literals = [v for k in kinds if get_origin(k) is Literal for v in get_args(k)]
-    if int in kinds:
-        value: Any = (default if isinstance(default, int) else 4096) + 1
+    if int in kinds:  # + 2: --port 8001 would be the gRPC port's default
+        value: Any = (default if isinstance(default, int) else 4096) + 2
     elif float in kinds:
         value = default + 0.5
     elif name == "tenants_file":  # read as the settings are made: a real one

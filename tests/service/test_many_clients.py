@@ -1,11 +1,12 @@
 """Many clients at once on every route of a real server (the contract: "concurrent clients on
 every route at once get only right answers, within their deadlines, with no worker
 restarted"): region-socket calls, regions JSON over HTTP, safetensors over HTTP (answers of
-2 MiB among them), `/v2` infer and the async client, mixed sizes, with and without an LSE,
-each answer the library's own on the same tensors; with one worker and with several. Then each
-path once more, one call at a time: a worker whose dispatcher thread lost its way under the load
-answers nothing queued to it, though /health calls it alive and unrestarted. Callers start no
-call after 20 s and give each 20 s, so that a run ends by itself within a minute.
+2 MiB among them), `/v2` infer over HTTP and over gRPC, and the async client, mixed sizes, with
+and without an LSE, each answer the library's own on the same tensors; with one worker and with
+several. Then each path once more, one call at a time: a worker whose dispatcher thread lost
+its way under the load answers nothing queued to it, though /health calls it alive and
+unrestarted. Callers start no call after 20 s and give each 20 s, so that a run ends by itself
+within a minute.
 
 The callers and the tally are in tests/service/many_clients.py. Eight calls are in flight at
 most, the default `--max-queue`: a 429 is retried after its Retry-After (the library clients do
@@ -18,7 +19,10 @@ import os
 
 import pytest
 
+from bench._server import free_port
+from tests.service.grpc_caller import grpc_caller
 from tests.service.many_clients import (
+    CALLERS,
     Case,
     Plan,
     answered_since,
@@ -32,7 +36,8 @@ from tests.service.servers import serve, wait_ready
 
 DEADLINE_S = 10  # the server's; callers give a call 20 s, so that its 504 comes first
 PLAN = Plan(calls=1000, seconds=20.0, timeout=20.0)
-ROUTES = {"socket", "regions_http", "safetensors", "v2", "async"}
+ROUTES = {"socket", "regions_http", "safetensors", "v2", "grpc", "async"}
+CALLERS_AND_GRPC = [*CALLERS, ("grpc", grpc_caller, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +56,11 @@ def _log_tail(text: str, lines: int = 30) -> str:
     "workers", [1, min(2, len(os.sched_getaffinity(0)))], ids=["1_worker", "n_workers"]
 )
 def test_many_clients_on_every_route_at_once(tmp_path, cases, workers):
-    with serve(tmp_path, workers=workers, deadline_s=DEADLINE_S) as server:
+    with serve(tmp_path, workers=workers, deadline_s=DEADLINE_S, grpc_port=free_port()) as server:
         wait_ready(server)
         before = server_state(server)
         with timed() as took:
-            tally = run_all(server, cases, PLAN)
+            tally = run_all(server, cases, PLAN, callers=CALLERS_AND_GRPC)
         after = server_state(server)
         then_each_path(server, cases, PLAN, tally)
         final = server_state(server)
