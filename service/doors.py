@@ -16,7 +16,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from uvicorn.middleware.proxy_headers import _TrustedHosts
 
-from zen_mla import BodyTooLargeError, InvalidInputError, LengthRequiredError
+from zen_mla import BodyTooLargeError, InvalidInputError, LengthRequiredError, WireFormatError
 
 from .admission import client_of
 from .body import Receive
@@ -229,10 +229,13 @@ class GrpcDoor:
 
     async def read(self) -> bytes:
         """The request message, read whole (ClientDisconnect where the call ended instead: the
-        caller cancelled, or grpc refused a message above its limit and ended the call)."""
+        caller cancelled, or grpc refused a message above its limit and ended the call;
+        WireFormatError where the caller closed its side without one)."""
         raw = await self.context.read()
-        if not isinstance(raw, bytes) or self.context.done() or self.context.cancelled():
+        if self.context.done() or self.context.cancelled():
             raise ClientDisconnect
+        if not isinstance(raw, bytes):  # the caller closed its side without a message
+            raise WireFormatError("message", "one request message", "none")
         self._body = raw
         return raw
 
