@@ -17,7 +17,11 @@ bench/out/e2e.png. Columns of the main table, all paired and interleaved with in
   input into the body, its counterpart of the client's encoding), infer() and as_numpy;
 - v2 shm: tritonclient.http with the system shared memory extension, the inputs placed once in
   registered /dev/shm regions beforehand (like shm empty()), outputs written by the service to
-  a registered region; timed: infer() and get_contents_as_numpy (views into the region).
+  a registered region; timed: infer() and get_contents_as_numpy (views into the region);
+- v2 grpc: tritonclient.grpc, the tensors as raw_input_contents of a ModelInferRequest on the
+  same server's gRPC port; timed as v2 binary (set_data_from_numpy, infer(), as_numpy).
+
+Targets: gRPC within 1.10x of v2 binary on `mixed`, within 1.25x on one token.
 
 The results of both v2 columns are handed back as torch views (bf16 out, fp32 lse), no copy.
 """
@@ -50,6 +54,7 @@ import httpx
 import ml_dtypes
 import numpy as np
 import torch
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 from tritonclient.utils import shared_memory as triton_shm
@@ -58,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import _common as c
-from _server import server_timing, start_server
+from _server import free_port, server_timing, start_server
 
 import zen_mla
 from zen_mla import wire
@@ -66,7 +71,7 @@ from zen_mla.client import PrefillClient
 
 MODEL = "mla_prefill"
 INPUTS = ("q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens")
-METHODS = ("tcp", "uds", "shm", "shm empty()", "v2 binary", "v2 shm")
+METHODS = ("tcp", "uds", "shm", "shm empty()", "v2 binary", "v2 shm", "v2 grpc")
 # as_numpy's arrays are views of the (read-only) response bytes; the torch views of them are
 # only read
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -164,6 +169,21 @@ def v2_binary(
         inputs.append(x)
     names = output_names(params)
     outputs = [triton.InferRequestedOutput(n, binary_data=True) for n in names]
+    result = client.infer(MODEL, inputs, outputs=outputs, parameters=params)
+    return tuple(to_torch(result.as_numpy(n)) for n in names)
+
+
+def v2_grpc(
+    client: Any, arrays: dict[str, np.ndarray[Any, Any]], params: dict[str, Any]
+) -> tuple[torch.Tensor, ...]:
+    """ModelInfer over gRPC, the tensors as raw_input_contents."""
+    inputs = []
+    for name, a in arrays.items():
+        x = triton_grpc.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+        x.set_data_from_numpy(a)
+        inputs.append(x)
+    names = output_names(params)
+    outputs = [triton_grpc.InferRequestedOutput(n) for n in names]
     result = client.infer(MODEL, inputs, outputs=outputs, parameters=params)
     return tuple(to_torch(result.as_numpy(n)) for n in names)
 
@@ -276,7 +296,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     uds = f"/tmp/zen-mla-bench-{os.getpid()}.sock"
-    servers = {"httptools": start_server("httptools", system_shm=True)}
+    grpc_port = free_port()
+    servers = {
+        "httptools": start_server(
+            "httptools", system_shm=True, settings={"grpc_port": str(grpc_port)}
+        )
+    }
     try:
         servers["h11"] = start_server("h11")
         servers["uds"] = start_server("httptools", uds)
@@ -290,6 +315,7 @@ def main() -> None:
             triton.InferenceServerClient(
                 url.removeprefix("http://"), connection_timeout=60.0, network_timeout=600.0
             ) as v2,
+            triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc,
         ):
             for name, spec in c.REFERENCE_BATCHES.items():
                 x = c.make_inputs(spec)
@@ -304,6 +330,7 @@ def main() -> None:
                         tcp.prefill(*a, **kw),
                         v2_binary(v2, arrays, kw),
                         v2shm.infer(),
+                        v2_grpc(grpc, arrays, kw),
                     )
                     med = c.paired_medians(
                         {
@@ -314,6 +341,7 @@ def main() -> None:
                             "shm empty()": partial(shm.prefill, *z, **kw),
                             "v2 binary": partial(v2_binary, v2, arrays, kw),
                             "v2 shm": v2shm.infer,
+                            "v2 grpc": partial(v2_grpc, grpc, arrays, kw),
                         },
                         args.reps,
                     )
@@ -333,7 +361,13 @@ def main() -> None:
             kw1 = {"causal": True, "return_lse": False}
             arrays1 = {n: to_numpy(one[n]) for n in INPUTS}
             with V2Shm(v2, "one", arrays1, kw1) as v2shm1:
-                check_same("one", tcp.prefill(*a1), v2_binary(v2, arrays1, kw1), v2shm1.infer())
+                check_same(
+                    "one",
+                    tcp.prefill(*a1),
+                    v2_binary(v2, arrays1, kw1),
+                    v2shm1.infer(),
+                    v2_grpc(grpc, arrays1, kw1),
+                )
                 tiny = c.paired_medians(
                     {
                         "in-process": partial(zen_mla.ragged_attention, *a1),
@@ -342,6 +376,7 @@ def main() -> None:
                         "shm": partial(shm.prefill, *a1),
                         "v2 binary": partial(v2_binary, v2, arrays1, kw1),
                         "v2 shm": v2shm1.infer,
+                        "v2 grpc": partial(v2_grpc, grpc, arrays1, kw1),
                     },
                     max(25, args.reps),
                 )
@@ -350,6 +385,17 @@ def main() -> None:
         print(c.table(header, rows))
         print("\nOne token (dispatch overhead), median ms\n")
         print(c.table(list(tiny), [[f"{t * 1e3:.2f}" for t in tiny.values()]]))
+        grpc_rows = [
+            [
+                name,
+                f"{r['v2 grpc'] / r['v2 binary']:.2f}",
+                "<= 1.10" if name == "mixed" else "",
+            ]
+            for name, r in ratios.items()
+        ]
+        grpc_rows.append(["one token", f"{tiny['v2 grpc'] / tiny['v2 binary']:.2f}", "<= 1.25"])
+        print("\ngRPC over HTTP (v2 grpc / v2 binary time)\n")
+        print(c.table(["batch", "grpc / http", "target"], grpc_rows))
 
         io_rows = []
         for http in ("httptools", "h11"):
