@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 import grpc
 import numpy as np
@@ -47,7 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         grpc_port=free_port(),
         system_shm=True,
         workers=min(2, len(os.sched_getaffinity(0))),
-        max_body_bytes=32 << 20,
+        max_body_bytes=64 << 20,
     ) as s:
         yield s
 
@@ -283,7 +287,7 @@ def test_token_and_shared_memory_off(plain):
 
 
 def test_a_message_over_the_limit_is_resource_exhausted_unread(server, client):
-    big = torch.zeros((33 << 20) // (2 * 192 * 2), 2, 192, dtype=torch.bfloat16)
+    big = torch.zeros((65 << 20) // (2 * 192 * 2), 2, 192, dtype=torch.bfloat16)
     q_cu = torch.tensor([0, big.shape[0]], dtype=torch.int32)
     inputs = grpc_inputs({"q": big, "k": big, "v": big[..., :128], "q_cu_seq_lens": q_cu})
     _refused(lambda: client.infer(MODEL, inputs), "RESOURCE_EXHAUSTED", "larger than max")
@@ -300,3 +304,35 @@ def test_a_retry_hint_travels_as_retry_info():
     status = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
     info = error_details_pb2.RetryInfo()
     assert status.details[0].Unpack(info) and info.retry_delay.seconds == 3
+
+
+def _readme_block(section: str) -> str:
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text.split(section, 1)[1], re.S)
+    assert block is not None, f"no python block under {section}"
+    return block.group(1)
+
+
+def test_the_readme_v2_example_runs_over_http_and_over_grpc(server):
+    """The README's v2 example as written (its tensors from the library example above it),
+    then with the module and the URL changed, and nothing else: the same answer."""
+    scope: dict[str, Any] = {}
+    exec(compile(_readme_block("## The library"), "README.md", "exec"), scope)
+    example = _readme_block("## KServe v2")
+    assert "import tritonclient.http as triton" in example and "127.0.0.1:8000" in example
+    http = urlparse(server.url).netloc
+    grpc_example = example.replace("tritonclient.http", "tritonclient.grpc").replace(
+        "127.0.0.1:8000", server.grpc_target
+    )
+    answers = []
+    for code in (example.replace("127.0.0.1:8000", http), grpc_example):
+        run = dict(scope)
+        try:
+            exec(compile(code, "README.md", "exec"), run)
+        finally:
+            if "client" in run:
+                run["client"].close()  # the example leaves it to the end of the program
+        answers.append((to_torch(run["out"]), to_torch(run["lse"])))
+    (out_h, lse_h), (out_g, lse_g) = answers
+    assert out_h.shape == (3072, scope["H"], 128) and lse_h.shape == (scope["H"], 3072)
+    assert torch.equal(out_h, out_g) and torch.equal(lse_h, lse_g)
