@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import Awaitable, Hashable, MutableMapping
 from typing import Any, Protocol
 
-import grpc
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 from uvicorn.middleware.proxy_headers import _TrustedHosts

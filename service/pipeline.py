@@ -123,11 +123,9 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client: a message its door's transport reads whole
-    (a gRPC call's) admitted before it is awaited and charged once in; those its door holds
-    already (a region-socket frame's, read by the socket's one frame reader) charged as they
-    are; or a body still to come through the one body reader, admitted before a byte of it is
-    read."""
+    """The request's bytes, admitted for its client: a message read whole (gRPC) admitted
+    before it is awaited and charged once in; a region-socket frame (in already) charged as it
+    is; or a body still to come through the one body reader, admitted before a byte is read."""
     admission = state.admission
     s = state.settings
     deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)
@@ -186,10 +184,8 @@ async def _run(
     held: Held,
 ) -> A:
     engine = _engine(state)
-    if isinstance(work.staging, SharedBuffer):
-        held.buffers.append(work.staging)
-    elif work.staging is not None:
-        held.buffers.extend(work.staging)
+    staging = work.staging
+    held.buffers.extend([staging] if isinstance(staging, SharedBuffer) else staging or ())
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)

@@ -257,7 +257,12 @@ def test_the_pipeline_is_called_by_the_routes_and_calls_nothing_back():
     never import it, so a request's walk only goes down (route > pipeline > form, body >
     engine)."""
     importers = {name for name in MODULES for target, _ in imported(name) if target == PIPELINE}
-    assert importers <= {"service.routes.prefill", "service.routes.calls", "service.kserve.routes"}
+    assert importers <= {
+        "service.routes.prefill",
+        "service.routes.calls",
+        "service.kserve.routes",
+        "service.kserve.grpc_server",
+    }
     below = [name for name in MODULES if name.startswith(("service.forms", "service.doors"))]
     for name in below:
         assert not [t for t, _ in imported(name) if t.startswith("service.routes")], name

@@ -34,7 +34,7 @@ from ..state import ServiceState
 from . import request as kr
 from .grpc_errors import GrpcError, grpc_error
 from .grpc_wire import response_bytes, split_request
-from .infer import _check_regions, _from_json, _inputs, _place_inputs
+from .infer import check_regions, from_json, input_tensors, place_inputs
 from .outputs import Places, direct_outputs, output_places
 from .register import REGISTER_BYTES, registry_of
 
@@ -177,8 +177,8 @@ class GrpcInferForm(Form[GrpcAnswer]):
                 _copy_in(buf, raws)
         del body, raws
         try:
-            tensors |= _inputs(engine, req, buf, 0, self.regions)
-            homes, staging = _place_inputs(engine, tensors, buf, req, self.regions)
+            tensors |= input_tensors(engine, req, buf, 0, self.regions)
+            homes, staging = place_inputs(engine, tensors, buf, req, self.regions)
         except BaseException:
             if buf is not None:
                 engine.release(buf)
@@ -205,7 +205,7 @@ class GrpcInferForm(Form[GrpcAnswer]):
             raise InvalidInputError(
                 f"raw_input_contents[{raw_names.index(name)}] ({name})", exc.expected, exc.got
             ) from None
-        loaded = {n: _from_json(i) for n, i in req.inputs.items() if i.data is not None}
+        loaded = {n: from_json(i) for n, i in req.inputs.items() if i.data is not None}
         return req, loaded
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
@@ -217,7 +217,7 @@ class GrpcInferForm(Form[GrpcAnswer]):
 
     def explain(self, exc: ZenMLAError) -> None:
         if self.req is not None:
-            _check_regions(self.req, self.regions)
+            check_regions(self.req, self.regions)
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
         assert result is not None and self.req is not None

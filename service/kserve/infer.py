@@ -38,7 +38,14 @@ from . import request as kr
 from .errors import error_response
 from .outputs import Places, direct_outputs, output_places, respond
 
-__all__ = ["ALIGN", "InferForm"]
+__all__ = [
+    "ALIGN",
+    "InferForm",
+    "check_regions",
+    "from_json",
+    "input_tensors",
+    "place_inputs",
+]
 
 ALIGN = 64  # the binary tensor data starts on a cache line
 HEADER_LENGTH = "inference-header-content-length"
@@ -115,8 +122,8 @@ class InferForm(Form[Response]):
         record.request_id = req.id
         if req.uses_shm and not self.system_shm:
             raise off_error()
-        tensors |= _inputs(engine, req, body, lead + self.json_bytes, self.regions)
-        homes, staging = _place_inputs(engine, tensors, body, req, self.regions)
+        tensors |= input_tensors(engine, req, body, lead + self.json_bytes, self.regions)
+        homes, staging = place_inputs(engine, tensors, body, req, self.regions)
         # staging, where made, is given back with the body once the work is done
         return Work(tensors, req.options, inputs=homes, staging=staging)
 
@@ -129,7 +136,7 @@ class InferForm(Form[Response]):
 
     def explain(self, exc: ZenMLAError) -> None:
         if self.req is not None:
-            _check_regions(self.req, self.regions)  # a worker failed on a region shrunk meanwhile
+            check_regions(self.req, self.regions)  # a worker failed on a region shrunk meanwhile
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
         assert result is not None and self.req is not None
@@ -152,7 +159,7 @@ async def _read_request(
 
     def read() -> tuple[kr.InferRequest, dict[str, torch.Tensor]]:
         req = kr.parse_request(kr.parse_header(raw), binary_bytes)
-        loaded = {n: _from_json(i) for n, i in req.inputs.items() if i.data is not None}
+        loaded = {n: from_json(i) for n, i in req.inputs.items() if i.data is not None}
         for name in loaded:
             req.inputs[name] = dataclasses.replace(req.inputs[name], data=None)
         return req, loaded
@@ -163,7 +170,7 @@ async def _read_request(
         return await asyncio.to_thread(read)
 
 
-def _inputs(
+def input_tensors(
     engine: PrefillEngine,
     req: kr.InferRequest,
     buf: SharedBuffer | None,
@@ -195,7 +202,7 @@ def _inputs(
     return tensors
 
 
-def _check_regions(req: kr.InferRequest, regions: SystemShmRegistry | None) -> None:
+def check_regions(req: kr.InferRequest, regions: SystemShmRegistry | None) -> None:
     """Every region the request names still holds its registered range (InvalidInputError,
     naming the tensor, where one does not)."""
     if regions is None:
@@ -217,7 +224,7 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
-def _from_json(spec: kr.InputSpec) -> torch.Tensor:
+def from_json(spec: kr.InputSpec) -> torch.Tensor:
     whole = not spec.dtype.is_floating_point
     try:
         array = np.asarray(spec.data)
@@ -241,7 +248,7 @@ def _from_json(spec: kr.InputSpec) -> torch.Tensor:
     return torch.from_numpy(flat).to(spec.dtype).view(spec.shape)
 
 
-def _place_inputs(
+def place_inputs(
     engine: PrefillEngine,
     tensors: dict[str, torch.Tensor],
     body: SharedBuffer | None,
