@@ -11,7 +11,8 @@ place. Inputs may also be typed `contents` or lie in system shared memory; outpu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,14 +44,26 @@ __all__ = [
     "GrpcAnswer",
     "GrpcInferForm",
     "GrpcRegisterForm",
+    "GrpcReply",
     "message_limit",
     "parse",
 ]
 
 #: the largest message gRPC's transport takes (its limit is a signed 32-bit count)
 GRPC_MAX_MESSAGE = (1 << 31) - 1
-#: a call's answer: the response message's bytes, an error status, or None (the caller is gone)
-GrpcAnswer = bytes | GrpcError | None
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcReply:
+    """A response message, and what gives its bytes back (and their charge) once it is
+    written (`grpc_server` writes it at the reader's pace, as HTTP answers are)."""
+
+    message: bytes
+    release: Callable[[], None] = lambda: None
+
+
+#: a call's answer: its response, an error status, or None (the caller is gone)
+GrpcAnswer = GrpcReply | GrpcError | None
 _CONTENTS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
 
 
@@ -223,10 +236,12 @@ class GrpcInferForm(Form[GrpcAnswer]):
         assert result is not None and self.req is not None
         try:
             response = await _respond(self.req, result, self.out_places, self.direct)
-        finally:
-            result.release()  # its bytes are in the response, or in shared memory
+        except BaseException:
+            result.release()
+            raise
         record.bytes_out = len(response)
-        return response
+        # the answer's charge is the result's: kept until the response is written
+        return GrpcReply(response, result.release)
 
     def refuse(
         self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]
@@ -307,8 +322,7 @@ class GrpcRegisterForm(Form[GrpcAnswer]):
         return None
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
-        answer: bytes = pb.SystemSharedMemoryRegisterResponse().SerializeToString()
-        return answer
+        return GrpcReply(pb.SystemSharedMemoryRegisterResponse().SerializeToString())
 
     def refuse(
         self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]

@@ -2,17 +2,19 @@
 by grpc.aio on the service's event loop, on its own port (`grpc_port`).
 
 Every method reads its one message itself (each is registered as a stream of requests, so the
-service sees the call before its message): `ModelInfer` and `SystemSharedMemoryRegister` go
+service sees the call before its message). `ModelInfer` and `SystemSharedMemoryRegister` go
 through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`: token, admission before the
-message is read, shares, deadline, queue, metrics, log line); the others read a small message
-within the head limits (`header_timeout_s`, `REGISTER_BYTES`) and answer at once. Errors are the
-HTTP ones as gRPC statuses (`grpc_errors`). Methods not served (streaming, model repository,
-CUDA shared memory, statistics, trace and log settings) answer UNIMPLEMENTED.
+message is read, shares, deadline, queue, metrics, log line) and write their one response
+themselves, its bytes charged to the caller until the call ends (as an HTTP answer's); the
+others read a small message within the head limits (`header_timeout_s`, `REGISTER_BYTES`) and
+answer at once. Errors are the HTTP ones as gRPC statuses (`grpc_errors`). Methods not served
+(streaming, model repository, CUDA shared memory, statistics, trace and log settings) answer
+UNIMPLEMENTED.
 
 grpc's transport enforces the limits a request's head has on HTTP: the message limit
 (`max_body_bytes`, refused before it is read: RESOURCE_EXHAUSTED), metadata size, the time to
-complete a connection's handshake, and open connections; a connection idle that long is closed
-(clients reconnect by themselves)."""
+complete a connection's handshake, and open connections; a connection idle that long is closed,
+and any after `CONNECTION_AGE_S` (clients reconnect by themselves)."""
 
 from __future__ import annotations
 
@@ -32,12 +34,22 @@ from ..settings import Settings
 from ..state import ServiceState, readiness
 from . import request as kr
 from .grpc_errors import GrpcError, grpc_error
-from .grpc_infer import GrpcAnswer, GrpcInferForm, GrpcRegisterForm, message_limit, parse
+from .grpc_infer import (
+    GrpcAnswer,
+    GrpcInferForm,
+    GrpcRegisterForm,
+    GrpcReply,
+    message_limit,
+    parse,
+)
 from .register import REGISTER_BYTES, registry_of
 
 __all__ = ["SERVICE", "grpc_options", "start_grpc"]
 
 SERVICE = "inference.GRPCInferenceService"
+#: a connection's life: then GOAWAY (clients reconnect, and re-resolve a name to its replicas),
+#: and closed once its calls end or `deadline_s` later, whatever a caller leaves unread
+CONNECTION_AGE_S = 300
 M = TypeVar("M", bound=Message)
 Context = Any  # grpc.aio.ServicerContext
 Handler = Callable[[Any, Context], Awaitable[bytes | None]]
@@ -54,6 +66,8 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.server_handshake_timeout_ms", head_ms),
         ("grpc.max_connection_idle_ms", head_ms),
         ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.max_connection_age_ms", CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", int(settings.deadline_s * 1000)),
         ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener on it
     ]
 
@@ -74,11 +88,18 @@ async def start_grpc(state: ServiceState) -> grpc.aio.Server:
     return server
 
 
-async def _send(context: Context, answer: GrpcAnswer) -> bytes | None:
+async def _send(context: Context, answer: GrpcAnswer) -> None:
+    """The answer written: an error's status, or the response, its bytes charged to its client
+    until the call ends (grpc holds a response its caller leaves unread, and has no way to cut
+    it short: the connection's age bounds it, `CONNECTION_AGE_S` and the grace after). None:
+    the caller is gone, nothing to send."""
     if isinstance(answer, GrpcError):
         await context.abort(answer.code, answer.message, answer.metadata)  # raises
-        return None
-    return answer  # None: the caller is gone, nothing is sent
+    if not isinstance(answer, GrpcReply):
+        return
+    loop = asyncio.get_running_loop()
+    context.add_done_callback(lambda _: loop.call_soon_threadsafe(answer.release))
+    await context.write(answer.message)
 
 
 def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
@@ -105,7 +126,8 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
                 answer: bytes = (await call(msg, door)).SerializeToString()
                 return answer
             except ZenMLAError as exc:
-                return await _send(context, grpc_error(exc))
+                await _send(context, grpc_error(exc))
+                return None
             except Exception:  # ClientDisconnect: the call ended before its message came
                 if context.done() or context.cancelled():
                     return None
@@ -168,14 +190,14 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
         registry_of(state).unregister(msg.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def model_infer(_: Any, context: Context) -> bytes | None:
+    async def model_infer(_: Any, context: Context) -> None:
         form = GrpcInferForm(state.system_shm, big_json)
         door = GrpcDoor(context, s.forwarded_allow_ips)
-        return await _send(context, await serve(state, door, form))
+        await _send(context, await serve(state, door, form))
 
-    async def shm_register(_: Any, context: Context) -> bytes | None:
+    async def shm_register(_: Any, context: Context) -> None:
         door = GrpcDoor(context, s.forwarded_allow_ips)
-        return await _send(context, await serve(state, door, GrpcRegisterForm(state)))
+        await _send(context, await serve(state, door, GrpcRegisterForm(state)))
 
     methods = {
         "ServerLive": method(server_live, pb.ServerLiveRequest),
@@ -183,9 +205,9 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
         "ModelReady": method(model_ready, pb.ModelReadyRequest),
         "ServerMetadata": method(server_metadata, pb.ServerMetadataRequest),
         "ModelMetadata": method(model_metadata, pb.ModelMetadataRequest),
-        "ModelInfer": grpc.stream_unary_rpc_method_handler(model_infer),
+        "ModelInfer": grpc.stream_stream_rpc_method_handler(model_infer),
         "SystemSharedMemoryStatus": method(shm_status, pb.SystemSharedMemoryStatusRequest),
-        "SystemSharedMemoryRegister": grpc.stream_unary_rpc_method_handler(shm_register),
+        "SystemSharedMemoryRegister": grpc.stream_stream_rpc_method_handler(shm_register),
         "SystemSharedMemoryUnregister": method(
             shm_unregister, pb.SystemSharedMemoryUnregisterRequest
         ),

@@ -1,8 +1,9 @@
 """The gRPC surface under the attacks the HTTP one is tested with, on real servers: a message
 sent slowly, a call that never sends one, connections that say nothing or nothing more, a
-message announced larger than the limit, a bad token, and a flood from one tenant while
-another is served within its share. Slow and idle callers are written frame by frame with
-`h2` (no gRPC client sends slowly); each test prints what it measured."""
+message announced larger than the limit, an answer left unread, a bad token, and a flood from
+one tenant while another is served within its share. Slow and idle callers are written frame
+by frame with `h2` (no gRPC client sends slowly or leaves an answer unread); each test prints
+what it measured."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import h2.events
 import pytest
 import torch
 from tritonclient.grpc import InferenceServerClient, InferenceServerException
+from tritonclient.grpc import service_pb2 as pb
 
 from bench._server import free_port
 from tests.batches import BatchSpec, make_batch
@@ -87,7 +89,12 @@ class Ending:
 
 
 def _raw_call(
-    server: Server, chunks: list[bytes], every: float, headers=QUIET, close: bool = True
+    server: Server,
+    chunks: list[bytes],
+    every: float,
+    headers=QUIET,
+    close: bool = True,
+    hang_up_after: float = 30,
 ) -> Ending:
     """A ModelInfer call written frame by frame: `chunks` of its body one per `every`
     seconds (the last closes the stream where `close`), reading the server's frames meanwhile."""
@@ -116,12 +123,15 @@ def _raw_call(
     pending = list(chunks)
     next_at = start
     try:
-        while time.monotonic() - start < 30:
-            if pending and time.monotonic() >= next_at:
+        while time.monotonic() - start < hang_up_after:
+            window = conn.local_flow_control_window(sid) if pending else 0
+            if pending and time.monotonic() >= next_at and len(pending[0]) <= window:
                 conn.send_data(sid, pending.pop(0), end_stream=close and not pending)
                 sock.sendall(conn.data_to_send())
                 next_at += every
             wait = max(0.0, next_at - time.monotonic()) if pending else 1.0
+            if pending and len(pending[0]) > window:
+                wait = 0.05  # for the server to open the window
             if not select.select([sock], [], [], wait)[0]:
                 continue
             data = sock.recv(65536)
@@ -279,3 +289,29 @@ def test_a_flood_from_one_tenant_leaves_the_other_its_share(server):
         f"{_served(server) * 1e3:.0f} ms"
     )
     assert quiet and outcomes["StatusCode.RESOURCE_EXHAUSTED"] > 0
+
+
+def test_an_unread_answer_stays_charged_to_its_caller_until_the_call_ends(server):
+    """A call whose caller never opens its window past HTTP/2's first 64 KiB: its 1 MiB answer
+    stays charged to it while grpc holds it unread, and is given back once the caller goes."""
+    q, k, v, q_cu, _ = _batch((2048,))
+    request = pb.ModelInferRequest(model_name="mla_prefill")
+    for name, t in {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}.items():
+        bf16 = t.dtype == torch.bfloat16
+        request.inputs.add(name=name, datatype="BF16" if bf16 else "INT32", shape=list(t.shape))
+        request.raw_input_contents.append((t.view(torch.int16) if bf16 else t).numpy().tobytes())
+    body = _framed(request.SerializeToString())
+    chunks = [body[i : i + 16384] for i in range(0, len(body), 16384)]
+    ending: list[Ending] = []
+    call = threading.Thread(
+        target=lambda: ending.append(_raw_call(server, chunks, 0, hang_up_after=4.0))
+    )
+    call.start()
+    time.sleep(3.0)
+    held = server.health()["held_bytes"]["answer"]
+    call.join(30)
+    time.sleep(0.5)
+    after = server.health()["held_bytes"]["answer"]
+    print(f"unread answer: {held} bytes charged while unread; {after} once the caller hung up")
+    assert held >= 1 << 20 and after == 0
+    assert ending[0].status is None  # no answer while unread
