@@ -164,6 +164,7 @@ BENCHES = (
     "scaling",
     "charges",
     "vllm_ttft",
+    "balance",
 )
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 

@@ -180,8 +180,8 @@ def test_regions_are_tried_again_once_the_refusal_no_longer_stands(budgeted):
     with PrefillClient(budgeted.url, timeout=30.0) as client:
         with budget_spent(budgeted):
             assert torch.equal(client.prefill(q, k, v, cu), want)
-            offer = client._regions[0]
-            assert offer.regions is not None and offer.for_calls() is None
+            offer = client._balancer.at(0).offer
+            assert offer is not None and offer.regions is not None and offer.for_calls() is None
             assert offer.refused_until - time.monotonic() <= offers.RECHECK_REFUSED_S
 
         def used_again() -> bool:

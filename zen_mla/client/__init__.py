@@ -19,7 +19,10 @@ Every failure is a ZenMLAError.
 
 Given several endpoints (`PrefillClient(["http://a:8000", "http://b:8000"])`), each request goes
 to the one with the least outstanding work (attention pairs in flight); an unreachable or
-overloaded endpoint is passed over for another.
+overloaded endpoint is passed over for another. A URL whose host name resolves to several
+addresses (a Kubernetes headless Service) is balanced over all of them, each address an endpoint
+of its own; the name is looked up again every `resolve_every` seconds (docs/clients.md). An
+endpoint that failed gets work again only once its `/health/ready` answers 200.
 
 On the service's host, tensors need not cross a socket: with `shared_memory=None` (the default)
 the client uses same-host regions wherever the service offers them and their socket can be
@@ -31,7 +34,8 @@ with `empty()`), and the workers read them and write the results there.
 
 The modules behind it: `_base` (all the twins share but I/O: the client's state, one call across
 its attempts), `_inputs` (a call's tensors checked), `_endpoints` (which endpoint a call goes
-to), `_retry` (what a failed attempt leads to: its zen_mla error, and whether, where and when
+to, and when one that failed is ready again), `_names` (the addresses a name stands for, looked
+up again), `_retry` (what a failed attempt leads to: its zen_mla error, and whether, where and when
 the call is tried again), `_deadline` (one call's deadline), `_resend` (when an exchange is sent
 again), `_answers` (answers read and checked, problems as exceptions), `_memory` (large answers'
 memory, reused across calls), `_offers` (each endpoint's same-host regions, and when to ask

@@ -13,8 +13,19 @@ import torch
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
-from ._base import DEFAULT_TIMEOUT, HEALTH, BaseClient, ClientRequest, Exchange, NoRegionError
+from ._base import (
+    DEFAULT_TIMEOUT,
+    HEALTH,
+    PROBE_TIMEOUT,
+    READY,
+    BaseClient,
+    ClientRequest,
+    Exchange,
+    NoRegionError,
+)
 from ._deadline import Deadline
+from ._endpoints import Endpoint
+from ._names import FIRST_WAIT
 from ._resend import Resend
 from ._retry import Translated
 from ._transport import HeardTransport
@@ -44,7 +55,7 @@ def _over_socket(pending: ClientRequest, regions: RegionSet) -> PrefillOutput | 
         return pending.over_socket(regions, layout)
 
 
-class AsyncPrefillClient(BaseClient):
+class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
     """asyncio client; the same arguments and behaviour as `PrefillClient` (a call past its
     timeout is cancelled, whatever transport it has)."""
 
@@ -58,44 +69,95 @@ class AsyncPrefillClient(BaseClient):
         retries: int = 3,
         transport: httpx.AsyncBaseTransport | None = None,
         shared_memory: bool | None = None,
+        resolve_every: float = 5.0,
     ) -> None:
+        self._timeout, self._transport, self._uds = timeout, transport, uds
+        # made once (~30 ms: the CA bundle read), shared by every endpoint's transport
+        self._ssl_context = None if transport else httpx.create_ssl_context()
         super().__init__(
-            url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory
+            url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory,
+            uds=uds, resolve_every=resolve_every,
+        )  # fmt: skip
+        self._regions_lock = asyncio.Lock()  # guards the endpoints' offers
+        self._probes: set[asyncio.Task[None]] = set()
+
+    def _connect(self, url: httpx.URL, headers: dict[str, str]) -> httpx.AsyncClient:
+        transport = self._transport or HeardTransport(self._uds, self._ssl_context)
+        return httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=self._timeout, transport=transport
         )
-        self._http = [
-            httpx.AsyncClient(
-                base_url=u, timeout=timeout, transport=transport or HeardTransport(uds)
-            )
-            for u in self._urls
-        ]
-        self._regions_lock = asyncio.Lock()  # guards self._regions
+
+    def _launch_probe(self, ep: Endpoint[httpx.AsyncClient]) -> None:
+        task = asyncio.get_running_loop().create_task(self._probe(ep))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, ep: Endpoint[httpx.AsyncClient]) -> None:
+        """As `PrefillClient._probe`."""
+        deadline = Deadline(min(PROBE_TIMEOUT, self._budget or PROBE_TIMEOUT))
+        ready = False
+        self._balancer.begin(ep, 0)
+        try:
+            async with asyncio.timeout(deadline.remaining()):
+                status = (await self._send(ep, READY, deadline))[0]
+                if status == 404:  # a service older than /health/ready
+                    status = (await self._send(ep, HEALTH, deadline))[0]
+            ready = status == 200
+        except Exception:  # unreachable, closed meanwhile, timed out: not ready
+            pass
+        finally:
+            self._balancer.end(ep, 0)
+            self._balancer.probed(ep, ready)
+
+    async def _refresh(self, deadline: Deadline) -> None:
+        """As `PrefillClient._refresh`."""
+        pending = self._lookups.due()
+        if pending is not None and self._lookups.first:
+            left = deadline.remaining()
+            wait = FIRST_WAIT if left is None else max(0.0, min(FIRST_WAIT, left))
+            await asyncio.wait({asyncio.wrap_future(pending)}, timeout=wait)
+        self._take_lookup()
+        for ep in self._balancer.idle():
+            self._retire(ep)
+            if self._transport is None:  # a transport of the caller's serves every endpoint
+                await ep.http.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _on(self, i: int, deadline: Deadline) -> AsyncIterator[Endpoint[httpx.AsyncClient]]:
+        """As `PrefillClient._on`."""
+        await self._refresh(deadline)
+        ep = self._balancer.at(i)
+        self._balancer.begin(ep, 0)
+        try:
+            with Translated(deadline, ep):
+                yield ep
+        finally:
+            self._balancer.end(ep, 0)
 
     async def regions(self, i: int = 0) -> RegionSet | None:
         """As `PrefillClient.regions`."""
         deadline = self._deadline()
-        async with _async_call(deadline):
-            with Translated(deadline, i):
-                return await self._regions_for(i, deadline)
+        async with _async_call(deadline), self._on(i, deadline) as ep:
+            return await self._regions_for(ep, deadline)
 
     async def _regions_for(
-        self, i: int, deadline: Deadline, for_call: bool = False
+        self, ep: Endpoint[httpx.AsyncClient], deadline: Deadline, for_call: bool = False
     ) -> RegionSet | None:
         """As `PrefillClient._regions_for`."""
         if self._shared_memory is False:
             return None
         async with self._regions_lock:
-            offer = self._regions.get(i)
+            offer = ep.offer
             if offer is None or not offer.current():
-                status, _, body = await self._send(i, HEALTH, deadline)
-                offer = self._regions[i] = await asyncio.to_thread(self._offered, status, body)
+                status, _, body = await self._send(ep, HEALTH, deadline)
+                offer = ep.offer = await asyncio.to_thread(self._offered, status, body)
             return offer.for_calls() if for_call else offer.regions
 
-    async def _refused(self, i: int) -> None:
+    async def _refused(self, ep: Endpoint[httpx.AsyncClient]) -> None:
         """As `PrefillClient._refused`."""
         async with self._regions_lock:
-            offer = self._regions.get(i)
-            if offer is not None:
-                offer.refused()
+            if ep.offer is not None:
+                ep.offer.refused()
 
     async def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """As `PrefillClient.empty`."""
@@ -126,23 +188,26 @@ class AsyncPrefillClient(BaseClient):
             request_id=request_id, out=out,
         )  # fmt: skip
         async with _async_call(pending.deadline):
+            await self._refresh(pending.deadline)
             while True:
-                with pending.attempt() as i:
-                    return await self._attempt(i, pending)
+                with pending.attempt() as ep:
+                    return await self._attempt(ep, pending)
                 await asyncio.sleep(pending.wait)
 
-    async def _attempt(self, i: int, pending: ClientRequest) -> PrefillOutput:
-        regions = await self._regions_for(i, pending.deadline, for_call=True)
+    async def _attempt(
+        self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest
+    ) -> PrefillOutput:
+        regions = await self._regions_for(ep, pending.deadline, for_call=True)
         if regions is not None:
             try:
-                return await self._over_regions(i, pending, regions)
+                return await self._over_regions(ep, pending, regions)
             except NoRegionError:
-                await self._refused(i)
-        status, headers, body = await self._send(i, pending.post(), pending.deadline)
+                await self._refused(ep)
+        status, headers, body = await self._send(ep, pending.post(), pending.deadline)
         return pending.decoded(status, body, headers)
 
     async def _over_regions(
-        self, i: int, pending: ClientRequest, regions: RegionSet
+        self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest, regions: RegionSet
     ) -> PrefillOutput:
         if regions.client.calls:  # the whole call in one thread: copies in, the socket, out
             result = await asyncio.to_thread(_over_socket, pending, regions)
@@ -153,27 +218,27 @@ class AsyncPrefillClient(BaseClient):
         layout = await asyncio.to_thread(stack.enter_context, pending.laid_out(regions))
         with stack:
             status, headers, body = await self._send(
-                i, pending.region_post(layout), pending.deadline
+                ep, pending.region_post(layout), pending.deadline
             )
             return await asyncio.to_thread(pending.answered, status, body, headers, layout)
 
     async def _send(
-        self, i: int, x: Exchange, deadline: Deadline
+        self, ep: Endpoint[httpx.AsyncClient], x: Exchange, deadline: Deadline
     ) -> tuple[int, httpx.Headers, Bytes]:
         """As `PrefillClient._send`, each chunk through httpx."""
         resend = Resend(deadline, idempotent=x.method == "GET")
         while True:
             with resend.send():
-                status, headers, body = await self._send_once(i, x, deadline, resend)
+                status, headers, body = await self._send_once(ep, x, deadline, resend)
                 if not resend.again(status):
                     return status, headers, body
 
     async def _send_once(
-        self, i: int, x: Exchange, deadline: Deadline, resend: Resend
+        self, ep: Endpoint[httpx.AsyncClient], x: Exchange, deadline: Deadline, resend: Resend
     ) -> tuple[int, httpx.Headers, Bytes]:
         content = _parts(x.content) if isinstance(x.content, list) else x.content
-        async with self._http[i].stream(
-            x.method, x.path, content=content, headers=x.headers
+        async with ep.http.stream(
+            x.method, x.path, content=content, headers=x.headers, extensions=ep.extensions
         ) as answer:
             resend.answered()
             memory = self._answer_memory if x.tensors else None
@@ -184,18 +249,19 @@ class AsyncPrefillClient(BaseClient):
                         break
         return answer.status_code, answer.headers, body.whole()
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, i: int = 0) -> dict[str, Any]:
         """As `PrefillClient.health`."""
         deadline = self._deadline()
-        async with _async_call(deadline):
-            with Translated(deadline, 0):
-                status, _, body = await self._send(0, HEALTH, deadline)
+        async with _async_call(deadline), self._on(i, deadline) as ep:
+            status, _, body = await self._send(ep, HEALTH, deadline)
         return health_json(status, body)
 
     async def aclose(self) -> None:
-        for http in self._http:
-            await http.aclose()
-        self._close_memory()
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        for ep in self._close_all():
+            await ep.http.aclose()
 
     async def __aenter__(self) -> AsyncPrefillClient:
         return self

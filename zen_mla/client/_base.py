@@ -7,8 +7,10 @@ checked by `_inputs`, its endpoint chosen by `_endpoints`, a failed attempt's ne
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import httpx
 import torch
@@ -25,15 +27,18 @@ from ..regions.client import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import Deadline, call_budget
-from ._endpoints import Balancer, weigh
+from ._endpoints import Balancer, Endpoint, weigh, where
 from ._inputs import checked_tensors
 from ._memory import AnswerMemory
+from ._names import Lookups
 from ._offers import Offer, offered
-from ._retry import next_step
+from ._retry import failover, next_step
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "HEALTH",
+    "PROBE_TIMEOUT",
+    "READY",
     "BaseClient",
     "ClientRequest",
     "Exchange",
@@ -65,6 +70,9 @@ class Exchange:
 
 
 HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)
+READY = Exchange("GET", "/health/ready", MAX_HEALTH_BYTES)  # 200 when it takes work
+PROBE_TIMEOUT = 2.0  # seconds, at most, for one readiness probe
+H = TypeVar("H")  # the twin's HTTP client: httpx.Client or httpx.AsyncClient
 
 
 # -- one prefill request ---------------------------------------------------------------------------
@@ -86,35 +94,41 @@ class ClientRequest:
         options: dict[str, str],
         outputs: AnswerSpec,
         work: int,
-        client: BaseClient,
+        client: BaseClient[Any],
     ) -> None:
         self.tensors, self.options, self.outputs = tensors, options, outputs
         self.device = tensors["q"].device
         self.deadline = Deadline(client._budget)
         self.wait = 0.0  # seconds before the next attempt, once one failed
         self._work, self._client = work, client
-        self._tried: set[int] = set()
+        self._tried: set[Endpoint[Any]] = set()
         self._attempts = 0
         self._post: Exchange | None = None
 
     @contextlib.contextmanager
-    def attempt(self) -> Iterator[int]:
+    def attempt(self) -> Iterator[Endpoint[Any]]:
         """The endpoint for the next attempt, its work counted there until the block ends. A
-        failure that earns another attempt ends the block (`wait` says when); others are raised."""
+        failure that earns another attempt ends the block (`wait` says when); others are raised.
+        An attempt that failed over to another address of the same name (`failover`) counts
+        for no retry."""
         self.deadline.check()
         client = self._client
-        i = client._balancer.pick(self._tried)
-        client._balancer.begin(i, self._work)
+        bal = client._balancer
+        ep = bal.pick(self._tried)
+        for due in bal.due():
+            client._launch_probe(due)
+        bal.begin(ep, self._work)
+        free = False
         try:
-            yield i
+            yield ep
         except (OverloadedError, httpx.TransportError) as exc:
-            self.wait = next_step(
-                exc, i, self._tried, self._attempts, client._retries, client._balancer,
-                self.deadline,
+            free = failover(exc, ep, self._tried, bal, self.deadline)
+            self.wait = 0.0 if free else next_step(
+                exc, ep, self._tried, self._attempts, client._retries, bal, self.deadline,
             )  # fmt: skip
         finally:
-            client._balancer.end(i, self._work)
-            self._attempts += 1
+            bal.end(ep, self._work)
+            self._attempts += not free
 
     def post(self) -> Exchange:
         """The request as a safetensors body, in parts of at most `SEND_PART` bytes, or whole
@@ -190,8 +204,11 @@ class ClientRequest:
         return answered(status, body, headers, layout, self.outputs, self.device, memory)
 
 
-class BaseClient:
-    """The state the twins share: endpoints, their balance, the regions asked for per endpoint."""
+class BaseClient(Generic[H]):
+    """The state the twins share: endpoints, their balance, the regions asked for per endpoint,
+    the names looked up again (`_names`). A twin makes each endpoint's HTTP client (`_connect`),
+    probes an endpoint that failed (`_launch_probe`), and takes up lookups and closes the
+    endpoints gone on each call (its `_refresh`)."""
 
     def __init__(
         self,
@@ -201,18 +218,75 @@ class BaseClient:
         timeout: httpx.Timeout | float,
         retries: int,
         shared_memory: bool | None,
+        uds: str | None = None,
+        resolve_every: float = 5.0,
     ) -> None:
         self._urls = [url] if isinstance(url, str) else list(url)
         if not self._urls:
             raise InvalidInputError("url", "one endpoint URL or more", "none")
-        self._balancer = Balancer(len(self._urls))
+        if not resolve_every > 0:
+            raise InvalidInputError("resolve_every", "seconds > 0", str(resolve_every))
         self._token, self._retries = token, retries
         self._budget = call_budget(timeout)
         self._shared_memory = shared_memory
-        # per endpoint: its Offer (`regions` None where none are used), missing until first
-        # asked, asked again once not `current()`
-        self._regions: dict[int, Offer] = {}
+        # over a Unix socket the host is only a name: nothing to look up
+        self._lookups = Lookups([] if uds else self._urls, resolve_every)
+        self._taking = threading.Lock()  # one call at a time applies a lookup
+        self._balancer: Balancer[H] = Balancer([self._endpoint(u, None) for u in self._urls])
         self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
+
+    def _connect(self, url: httpx.URL, headers: dict[str, str]) -> H:
+        """The twin's HTTP client for an endpoint at `url`, sending `headers` with each request."""
+        raise NotImplementedError
+
+    def _launch_probe(self, ep: Endpoint[H]) -> None:
+        """Probe `ep`'s readiness in the background (`READY`), reporting to `Balancer.probed`."""
+        raise NotImplementedError
+
+    def _endpoint(self, source: str, address: str | None) -> Endpoint[H]:
+        return Endpoint(source, address, self._connect(*where(source, address)))
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The URLs calls go to now, in order (`health(i)` and `regions(i)` take the index):
+        each as given, or for a name one per address it resolved to, the address in place of
+        the name. The names' addresses are taken up on calls: before the first, the names."""
+        return [str(where(ep.source, ep.address)[0]) for ep in self._balancer.endpoints]
+
+    @property
+    def _http(self) -> list[H]:
+        """The endpoints' HTTP clients, in order."""
+        return [ep.http for ep in self._balancer.endpoints]
+
+    def _take_lookup(self) -> None:
+        """A finished lookup of the names applied: each name's new addresses become endpoints
+        (taken for ready on the first lookup; probed first on later ones: `Balancer.down`),
+        the vanished ones retired, closed once no call is on them (`Balancer.idle`)."""
+        if not self._lookups.urls:
+            return
+        with self._taking:
+            taken = self._lookups.take()
+            if taken is None:
+                return
+            found, first = taken
+            for source, addresses in found.items():
+                if addresses is None:
+                    continue  # the lookup failed: what the name had stands
+                have = self._balancer.of(source)
+                if [e.address for e in have] == addresses:
+                    continue
+                kept = [e for e in have if e.address in addresses]
+                known = {e.address for e in kept}
+                new = [self._endpoint(source, a) for a in addresses if a not in known]
+                for ep in new if not first else []:
+                    self._balancer.down(ep)
+                    ep.probe_at = 0.0  # probed on the next call
+                self._balancer.place(source, kept + new)
+
+    def _retire(self, ep: Endpoint[H]) -> None:
+        """A gone endpoint's regions closed (its HTTP client is the twin's to close)."""
+        if ep.offer is not None and ep.offer.regions is not None:
+            ep.offer.regions.close()
 
     def _auth(self, headers: dict[str, str]) -> dict[str, str]:
         """`headers`, with the bearer token where the client has one."""
@@ -252,9 +326,11 @@ class BaseClient:
         timeout = min(REGION_TIMEOUT, self._budget or REGION_TIMEOUT)
         return offered(status, body, self._token, timeout, bool(self._shared_memory))
 
-    def _close_memory(self) -> None:
-        """The regions closed, and no answer memory kept any more."""
+    def _close_all(self) -> list[Endpoint[H]]:
+        """The regions closed, and no answer memory kept any more; the endpoints whose HTTP
+        clients the twin then closes."""
         self._answer_memory.close()
-        for offer in self._regions.values():
-            if offer.regions is not None:
-                offer.regions.close()
+        endpoints = self._balancer.everything()
+        for ep in endpoints:
+            self._retire(ep)
+        return endpoints

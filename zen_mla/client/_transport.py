@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import socket
+import ssl
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -134,8 +135,8 @@ class DeadlineTransport(httpx.HTTPTransport):
     httpx bounds each read, and an answer trickled a byte at a time (headers too, which httpcore
     reads in its own loop) never trips that; the asyncio client cancels its call instead."""
 
-    def __init__(self, uds: str | None) -> None:
-        ssl_context = httpx.create_ssl_context()
+    def __init__(self, uds: str | None, ssl_context: ssl.SSLContext | None = None) -> None:
+        ssl_context = ssl_context or httpx.create_ssl_context()  # one a client's endpoints share
         super().__init__(verify=ssl_context, uds=uds)
         self._pool = httpcore.ConnectionPool(
             **_pool_options(ssl_context, uds), network_backend=_DeadlineBackend()
@@ -196,8 +197,8 @@ class HeardTransport(httpx.AsyncHTTPTransport):
     """The asyncio client's transport: httpx's, whose sockets mark each send's bytes (the
     asyncio client bounds its calls by cancelling them, not by its sockets)."""
 
-    def __init__(self, uds: str | None) -> None:
-        ssl_context = httpx.create_ssl_context()
+    def __init__(self, uds: str | None, ssl_context: ssl.SSLContext | None = None) -> None:
+        ssl_context = ssl_context or httpx.create_ssl_context()  # one a client's endpoints share
         super().__init__(verify=ssl_context, uds=uds)
         self._pool = httpcore.AsyncConnectionPool(
             **_pool_options(ssl_context, uds), network_backend=_HeardBackend()

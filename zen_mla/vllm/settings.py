@@ -45,7 +45,8 @@ _FALSE = ("0", "false", "no", "off")
 class RemoteSettings:
     """Where the service is and how to reach it.
 
-    `urls`: one base URL or more (requests go to the least loaded, see `PrefillClient`).
+    `urls`: one base URL or more (requests go to the least loaded, see `PrefillClient`); a
+    URL whose host name resolves to several addresses (a headless Service) stands for all.
     `token`: the bearer token, None when the service has none. `health_timeout_s`: how long a
     `/health` check waits. `max_concurrency`: requests one process keeps in flight for
     `prefill_with_context`. `fallback`: while the service cannot be reached, compute each call
@@ -178,20 +179,34 @@ def default_settings() -> Settings:
 
 
 def healthy(settings: RemoteSettings) -> bool:
-    """Whether any of the settings' endpoints answers `/health` with status "ok", asked now.
-    Never raises."""
+    """Whether any of the settings' endpoints answers `/health` with status "ok", asked now:
+    for a URL whose host name resolves to several addresses (replicas behind one name), any
+    of them. Never raises."""
     for url in settings.urls:
         try:
             with PrefillClient(
                 url, token=settings.token, timeout=settings.health_timeout_s, retries=0
             ) as client:
-                health = client.health()
+                if _any_ok(client, url):
+                    return True
+        except Exception as exc:  # a URL no client takes: not available
+            logger.debug("zen-mla at %s is not available: %s", url, exc)
+    return False
+
+
+def _any_ok(client: PrefillClient, url: str) -> bool:
+    i, n = 0, 1
+    while i < n:
+        try:
+            health = client.health(i)
         except Exception as exc:  # unreachable, refused, not JSON: all mean "not available"
             logger.debug("zen-mla at %s is not available: %s", url, exc)
-            continue
-        if health.get("status") == "ok":
-            return True
-        logger.debug("zen-mla at %s is not ready: /health said %.200r", url, health)
+        else:
+            if health.get("status") == "ok":
+                return True
+            logger.debug("zen-mla at %s is not ready: /health said %.200r", url, health)
+        n = len(client.endpoints)  # a name's addresses, looked up by the first call
+        i += 1
     return False
 
 
