@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Hashable, MutableMapping
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -178,9 +179,10 @@ class CallDoor:
 
 
 def peer_host(peer: str) -> str | None:
-    """The address in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`); None for
-    a peer with none (`unix:...`)."""
+    """The address in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, or
+    `ipv6:%5B::1%5D:5000` as newer grpc writes it); None for a peer with none (`unix:...`)."""
     kind, _, rest = peer.partition(":")
+    rest = unquote(rest)
     if kind == "ipv4":
         return rest.rpartition(":")[0] or None
     if kind == "ipv6":
@@ -250,10 +252,14 @@ class GrpcDoor:
         return None
 
     async def receive(self) -> MutableMapping[str, Any]:
-        raise NotImplementedError("a gRPC message comes whole, by message")
+        raise NotImplementedError("a gRPC message comes whole, by read")
 
     def gone(self) -> Awaitable[None]:
         return self._gone
+
+    def hang_up(self) -> None:
+        """The caller went (grpc cancelled its handler): `gone` completes."""
+        _settle(self._gone)
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -41,9 +41,9 @@ class ServiceState:
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
     tenants: Tenants = field(init=False)  # the tokens that open the service, whom each names
-    # work whose client hung up, running on to its end (`pipeline._abandon`); owned by the
-    # event loop
-    abandoned: set[asyncio.Future[None]] = field(default_factory=set)
+    # work whose client hung up, running on to its end (`pipeline._abandon`, and a gRPC call's
+    # pipeline task whose handler grpc cancelled); owned by the event loop
+    abandoned: set[asyncio.Future[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings)

@@ -29,6 +29,7 @@ from tritonclient.grpc import service_pb2 as pb
 from zen_mla import BodyTooLargeError, RequestTimeoutError, ZenMLAError, __version__
 
 from ..doors import GrpcDoor
+from ..forms.base import Form
 from ..pipeline import serve
 from ..settings import Settings
 from ..state import ServiceState, readiness
@@ -100,6 +101,19 @@ async def _send(context: Context, answer: GrpcAnswer) -> None:
     loop = asyncio.get_running_loop()
     context.add_done_callback(lambda _: loop.call_soon_threadsafe(answer.release))
     await context.write(answer.message)
+
+
+def _discard_answer(state: ServiceState) -> Callable[[asyncio.Future[GrpcAnswer]], None]:
+    """A done callback for a call's pipeline task whose caller went: its answer's bytes back."""
+
+    def done(task: asyncio.Future[GrpcAnswer]) -> None:
+        state.abandoned.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            answer = task.result()
+            if isinstance(answer, GrpcReply):
+                answer.release()
+
+    return done
 
 
 def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
@@ -190,14 +204,27 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
         registry_of(state).unregister(msg.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def model_infer(_: Any, context: Context) -> None:
-        form = GrpcInferForm(state.system_shm, big_json)
+    async def through_pipeline(context: Context, form: Form[GrpcAnswer]) -> None:
+        """`form`'s call through the one pipeline, in a task of its own: grpc cancels a
+        handler whose caller goes, and the pipeline must see a hang-up (its work, still read
+        by a worker, handed to the task that waits it out), never a cancelled request that
+        gives its buffers back under a running worker."""
         door = GrpcDoor(context, s.forwarded_allow_ips)
-        await _send(context, await serve(state, door, form))
+        task = asyncio.ensure_future(serve(state, door, form))
+        try:
+            answer = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            door.hang_up()
+            state.abandoned.add(task)
+            task.add_done_callback(_discard_answer(state))
+            raise
+        await _send(context, answer)
+
+    async def model_infer(_: Any, context: Context) -> None:
+        await through_pipeline(context, GrpcInferForm(state.system_shm, big_json))
 
     async def shm_register(_: Any, context: Context) -> None:
-        door = GrpcDoor(context, s.forwarded_allow_ips)
-        await _send(context, await serve(state, door, GrpcRegisterForm(state)))
+        await through_pipeline(context, GrpcRegisterForm(state))
 
     methods = {
         "ServerLive": method(server_live, pb.ServerLiveRequest),

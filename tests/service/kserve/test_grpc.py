@@ -18,7 +18,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from google.rpc import error_details_pb2, status_pb2
 from tritonclient.grpc import (
     InferenceServerClient,
     InferenceServerException,
@@ -292,18 +291,6 @@ def test_a_message_over_the_limit_is_resource_exhausted_unread(server, client):
     inputs = grpc_inputs({"q": big, "k": big, "v": big[..., :128], "q_cu_seq_lens": q_cu})
     _refused(lambda: client.infer(MODEL, inputs), "RESOURCE_EXHAUSTED", "larger than max")
     _healthy(server, client)
-
-
-def test_a_retry_hint_travels_as_retry_info():
-    from service.kserve.grpc_errors import grpc_error
-
-    error = grpc_error(zen_mla.QueueFullError("full", retry_after=2.5))
-    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    meta = dict(error.metadata)
-    assert meta["retry-after"] == "3" and meta["zen-mla-status"] == "429"
-    status = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
-    info = error_details_pb2.RetryInfo()
-    assert status.details[0].Unpack(info) and info.retry_delay.seconds == 3
 
 
 def _readme_block(section: str) -> str:

@@ -55,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         body_grace_s=0.5,
         max_uploads=2,
         max_queue=4,
-        max_body_bytes=8 << 20,
+        max_body_bytes=32 << 20,
         tenants_file=tenants,
     ) as s:
         yield s
@@ -211,7 +211,7 @@ def test_slow_uploads_past_their_grace_are_cut_off_for_newcomers(server):
 
 
 def test_a_message_announced_over_the_limit_is_refused_unread(server):
-    prefix = b"\0" + struct.pack(">I", 64 << 20)  # 64 MiB announced, limit 8 MiB, none sent
+    prefix = b"\0" + struct.pack(">I", 64 << 20)  # 64 MiB announced, limit 32 MiB, none sent
     end = _raw_call(server, [prefix], 100.0, close=False)
     print(f"64 MiB announced: status {end.status} after {end.seconds * 1e3:.1f} ms")
     assert end.status == RESOURCE_EXHAUSTED and end.seconds < 2
@@ -315,3 +315,29 @@ def test_an_unread_answer_stays_charged_to_its_caller_until_the_call_ends(server
     print(f"unread answer: {held} bytes charged while unread; {after} once the caller hung up")
     assert held >= 1 << 20 and after == 0
     assert ending[0].status is None  # no answer while unread
+
+
+def test_a_caller_that_gives_up_mid_work_costs_no_worker(server):
+    """tritonclient.grpc's own deadline passing while the work runs: the call ends (499 in the
+    metrics), its work runs out as an HTTP hang-up's does, no worker is replaced, and the next
+    call is answered right."""
+    q, k, v, q_cu, _ = _batch((8000,))  # about a second of the reference kernel's work
+    named = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
+    before = [w["restarts"] for w in server.health()["workers"]]
+    with InferenceServerClient(server.grpc_target) as c:
+        with pytest.raises(InferenceServerException) as info:
+            c.infer(
+                "mla_prefill",
+                grpc_inputs(named),
+                parameters={"causal": False, "kernel": "reference"},
+                headers=QUIET,
+                client_timeout=0.3,
+            )
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    time.sleep(2)
+    with server.client() as http:
+        metrics = http.get("/metrics").text
+    took = _served(server)
+    print(f"caller gave up at 0.3 s; the next call answered in {took * 1e3:.1f} ms")
+    assert 'zen_mla_requests_total{route="grpc",status="499"}' in metrics
+    assert [w["restarts"] for w in server.health()["workers"]] == before
