@@ -110,9 +110,14 @@ def _serve(args: argparse.Namespace) -> int:
     # The server process only parses and copies; the workers compute. One thread here keeps
     # its OpenMP pool from spinning on cores the workers own.
     torch.set_num_threads(1)
+    from .kserve.grpc_server import GrpcListenError
     from .server import build_server, raise_fd_limit
 
-    build_server(settings, fd_limit=raise_fd_limit()).run()
+    try:
+        build_server(settings, fd_limit=raise_fd_limit()).run()
+    except GrpcListenError as exc:
+        print(f"zen-mla serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -45,7 +45,7 @@ from .grpc_infer import (
 )
 from .register import REGISTER_BYTES, registry_of
 
-__all__ = ["SERVICE", "grpc_options", "start_grpc"]
+__all__ = ["SERVICE", "GrpcListenError", "grpc_options", "start_grpc"]
 
 SERVICE = "inference.GRPCInferenceService"
 #: a connection's life: then GOAWAY (clients reconnect, and re-resolve a name to its replicas),
@@ -54,6 +54,10 @@ CONNECTION_AGE_S = 300
 M = TypeVar("M", bound=Message)
 Context = Any  # grpc.aio.ServicerContext
 Handler = Callable[[Any, Context], Awaitable[bytes | None]]
+
+
+class GrpcListenError(RuntimeError):
+    """The gRPC port cannot be listened on (in use, or not this host's)."""
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
@@ -81,9 +85,10 @@ async def start_grpc(state: ServiceState) -> grpc.aio.Server:
     host = f"[{s.host}]" if ":" in s.host else s.host
     try:
         server.add_insecure_port(f"{host}:{s.grpc_port}")
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"gRPC: cannot listen on {host}:{s.grpc_port} ({exc}); --grpc-port 0 turns gRPC off"
+    except RuntimeError:
+        raise GrpcListenError(
+            f"gRPC: cannot listen on {host}:{s.grpc_port} (in use?); another --grpc-port, or 0 "
+            "to turn gRPC off"
         ) from None
     await server.start()
     return server

@@ -4,10 +4,13 @@ exit 0 only when every one is ready."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 
 import pytest
 
+from bench._server import ROOT, SERVE, free_port
 from service import cli
 
 
@@ -44,3 +47,24 @@ def test_local_is_no_service_to_check(capsys, monkeypatch):
     monkeypatch.setenv("ZEN_MLA_URL", "local")
     code, _, err = _health(capsys)
     assert code == 2 and "expected the service's URL" in err and "'local'" in err
+
+
+@pytest.mark.slow
+def test_a_grpc_port_in_use_stops_the_start_with_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")}
+        done = subprocess.run(
+            [*SERVE, "--port", str(free_port()), "--grpc-port", str(port), "--workers", "1"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"gRPC: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
