@@ -55,8 +55,8 @@ GRPC_MAX_MESSAGE = (1 << 31) - 1
 
 @dataclass(frozen=True, slots=True)
 class GrpcReply:
-    """A response message, and what gives its bytes back (and their charge) once it is
-    written (`grpc_server` writes it at the reader's pace, as HTTP answers are)."""
+    """A response message, and what gives its bytes back (and their charge) once its call
+    has ended (`grpc_server._send`)."""
 
     message: bytes
     release: Callable[[], None] = lambda: None
