@@ -21,8 +21,8 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
-from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
-from zen_mla.regions import SystemShmRegistry, off_error
+from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
+from zen_mla.regions import off_error
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
@@ -35,8 +35,8 @@ from ..state import ServiceState
 from . import request as kr
 from .grpc_errors import GrpcError, grpc_error
 from .grpc_wire import response_bytes, split_request
-from .infer import check_regions, from_json, input_tensors, place_inputs
-from .outputs import Places, direct_outputs, output_places
+from .infer import V2Form, from_json, input_tensors, place_inputs
+from .outputs import Places, write_to_region
 from .register import REGISTER_BYTES, registry_of
 
 __all__ = [
@@ -146,21 +146,12 @@ def request_doc(msg: pb.ModelInferRequest, raws: int) -> tuple[dict[str, Any], l
     return doc, raw_names
 
 
-class GrpcInferForm(Form[GrpcAnswer]):
+class GrpcInferForm(V2Form[GrpcAnswer]):
     """`ModelInfer`: a ModelInferRequest, inputs as raw contents, typed contents or in system
     shared memory; the answer a ModelInferResponse with the outputs as raw contents (in their
     requested order; an empty entry for one written to shared memory, so that the indices hold)."""
 
     route = "grpc"
-
-    def __init__(self, regions: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
-        self.regions = regions
-        self.big_json = big_json
-        self.req: kr.InferRequest | None = None
-        self.out_places: Places = {}
-        self.direct = False
-        self.max_json_bytes = 0
-        self.system_shm = False
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         self.max_json_bytes = settings.max_json_bytes
@@ -221,17 +212,6 @@ class GrpcInferForm(Form[GrpcAnswer]):
         loaded = {n: from_json(i) for n, i in req.inputs.items() if i.data is not None}
         return req, loaded
 
-    def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
-        assert self.req is not None
-        self.out_places = output_places(self.req, prepared, self.regions, self.max_json_bytes)
-        direct = direct_outputs(self.req, self.out_places)
-        self.direct = direct is not None
-        return direct
-
-    def explain(self, exc: ZenMLAError) -> None:
-        if self.req is not None:
-            check_regions(self.req, self.regions)
-
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
         assert result is not None and self.req is not None
         try:
@@ -283,11 +263,7 @@ async def _respond(
             continue
         assert out.shm is not None
         if not written:
-            data = tensor_bytes(t)
-            if data.nbytes > SMALL_BYTES:
-                await asyncio.to_thread(place[0].write, out.shm.offset, data)
-            else:
-                place[0].write(out.shm.offset, data)
+            await write_to_region(place[0], out.shm.offset, t)
         entry.parameters["shared_memory_region"].string_param = out.shm.region
         entry.parameters["shared_memory_offset"].int64_param = out.shm.offset
         entry.parameters["shared_memory_byte_size"].int64_param = t.nbytes

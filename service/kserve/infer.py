@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from .outputs import Places, direct_outputs, output_places, respond
 __all__ = [
     "ALIGN",
     "InferForm",
+    "V2Form",
     "check_regions",
     "from_json",
     "input_tensors",
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 ALIGN = 64  # the binary tensor data starts on a cache line
+A = TypeVar("A")
 HEADER_LENGTH = "inference-header-content-length"
 
 
@@ -64,7 +67,33 @@ def _header_length(request: Request, n: int) -> int:
     return count
 
 
-class InferForm(Form[Response]):
+class V2Form(Form[A]):
+    """What an infer request's forms share, over HTTP (`InferForm`) and gRPC
+    (`grpc_infer.GrpcInferForm`): the request read (`req`), where its outputs go, and a
+    worker's failure explained by the regions it read."""
+
+    def __init__(self, regions: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
+        self.regions = regions
+        self.big_json = big_json
+        self.req: kr.InferRequest | None = None
+        self.out_places: Places = {}
+        self.direct = False
+        self.max_json_bytes = 0  # the rest from the request's head (`expect`)
+        self.system_shm = False
+
+    def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
+        assert self.req is not None
+        self.out_places = output_places(self.req, prepared, self.regions, self.max_json_bytes)
+        direct = direct_outputs(self.req, self.out_places)
+        self.direct = direct is not None
+        return direct
+
+    def explain(self, exc: ZenMLAError) -> None:
+        if self.req is not None:
+            check_regions(self.req, self.regions)  # a worker failed on a region shrunk meanwhile
+
+
+class InferForm(V2Form[Response]):
     """`POST /v2/models/{model}[/versions/{version}]/infer`: an inference request (JSON, then
     binary tensor data), inputs in the body, as JSON numbers or in system shared memory; the
     answer in the protocol's form, outputs where the request asked."""
@@ -79,16 +108,10 @@ class InferForm(Form[Response]):
         regions: SystemShmRegistry | None,
         big_json: asyncio.Semaphore,
     ) -> None:
+        super().__init__(regions, big_json)
         self.request = request
         self.model, self.version = model, version
-        self.regions = regions
-        self.big_json = big_json
-        self.req: kr.InferRequest | None = None
-        self.out_places: Places = {}
-        self.direct = False
-        self.max_json_bytes = 0  # the rest from the request's head (`expect`)
         self.json_bytes = self.binary_bytes = 0
-        self.system_shm = False
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         kr.check_model(self.model, self.version)
@@ -126,17 +149,6 @@ class InferForm(Form[Response]):
         homes, staging = place_inputs(engine, tensors, body, req, self.regions)
         # staging, where made, is given back with the body once the work is done
         return Work(tensors, req.options, inputs=homes, staging=staging)
-
-    def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
-        assert self.req is not None
-        self.out_places = output_places(self.req, prepared, self.regions, self.max_json_bytes)
-        direct = direct_outputs(self.req, self.out_places)
-        self.direct = direct is not None
-        return direct
-
-    def explain(self, exc: ZenMLAError) -> None:
-        if self.req is not None:
-            check_regions(self.req, self.regions)  # a worker failed on a region shrunk meanwhile
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
         assert result is not None and self.req is not None

@@ -21,7 +21,7 @@ from ..answer import answer_metadata, stream
 from ..body import SMALL_BYTES
 from . import request as kr
 
-__all__ = ["Places", "direct_outputs", "output_places", "respond"]
+__all__ = ["Places", "direct_outputs", "output_places", "respond", "write_to_region"]
 
 JSON_BYTES_PER_NUMBER = 16  # a generous estimate of one number written as JSON
 #: each requested output's region, shape and dtype (None: in the response)
@@ -124,11 +124,7 @@ async def respond(
             if place is not None:
                 assert out.shm is not None
                 if not written:
-                    data = tensor_bytes(t)
-                    if data.nbytes > SMALL_BYTES:
-                        await asyncio.to_thread(place[0].write, out.shm.offset, data)
-                    else:
-                        place[0].write(out.shm.offset, data)
+                    await write_to_region(place[0], out.shm.offset, t)
                 entry["parameters"] = {
                     "shared_memory_region": out.shm.region,
                     "shared_memory_offset": out.shm.offset,
@@ -154,6 +150,15 @@ async def respond(
         "application/octet-stream",
         {"Inference-Header-Content-Length": str(len(head))},
     )
+
+
+async def write_to_region(region: SystemRegion, offset: int, t: torch.Tensor) -> None:
+    """`t`'s bytes into `region` at `offset` (pwrite; in a thread when large)."""
+    data = tensor_bytes(t)
+    if data.nbytes > SMALL_BYTES:
+        await asyncio.to_thread(region.write, offset, data)
+    else:
+        region.write(offset, data)
 
 
 def _json_numbers(name: str, t: torch.Tensor) -> list[Any]:

@@ -324,15 +324,17 @@ def test_a_caller_that_gives_up_mid_work_costs_no_worker(server):
     q, k, v, q_cu, _ = _batch((8000,))  # about a second of the reference kernel's work
     named = {"q": q, "k": k, "v": v, "q_cu_seq_lens": q_cu}
     before = [w["restarts"] for w in server.health()["workers"]]
-    with InferenceServerClient(server.grpc_target) as c:
-        with pytest.raises(InferenceServerException) as info:
-            c.infer(
-                "mla_prefill",
-                grpc_inputs(named),
-                parameters={"causal": False, "kernel": "reference"},
-                headers=QUIET,
-                client_timeout=0.3,
-            )
+    with (
+        InferenceServerClient(server.grpc_target) as c,
+        pytest.raises(InferenceServerException) as info,
+    ):
+        c.infer(
+            "mla_prefill",
+            grpc_inputs(named),
+            parameters={"causal": False, "kernel": "reference"},
+            headers=QUIET,
+            client_timeout=0.3,
+        )
     assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     time.sleep(2)
     with server.client() as http:
