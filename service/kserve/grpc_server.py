@@ -53,7 +53,6 @@ SERVICE = "inference.GRPCInferenceService"
 CONNECTION_AGE_S = 300
 M = TypeVar("M", bound=Message)
 Context = Any  # grpc.aio.ServicerContext
-Handler = Callable[[Any, Context], Awaitable[bytes | None]]
 
 
 class GrpcListenError(RuntimeError):
@@ -78,7 +77,7 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 
 
 async def start_grpc(state: ServiceState) -> grpc.aio.Server:
-    """The gRPC server for `state`, listening (RuntimeError where its port cannot be bound)."""
+    """The gRPC server for `state`, listening (GrpcListenError where its port cannot be bound)."""
     s = state.settings
     server = grpc.aio.server(options=grpc_options(s))
     server.add_generic_rpc_handlers((_handlers(state),))
