@@ -22,7 +22,7 @@ from .admission import client_of
 from .body import Receive
 from .tenants import Tenants
 
-__all__ = ["CallDoor", "Door", "GrpcDoor", "HttpDoor", "byte_count"]
+__all__ = ["CallDoor", "Door", "GrpcDoor", "HttpDoor", "byte_count", "trusted_proxies"]
 
 
 class Door(Protocol):
@@ -178,6 +178,12 @@ class CallDoor:
         return self._gone
 
 
+def trusted_proxies(allowed: str | None) -> _TrustedHosts | None:
+    """The proxies whose `x-forwarded-for` names a gRPC call's client (`forwarded_allow_ips`,
+    parsed once, as uvicorn parses it for HTTP); None: no forwarded address is trusted."""
+    return None if allowed is None else _TrustedHosts(allowed)
+
+
 def peer_host(peer: str) -> str | None:
     """The address in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, or
     `ipv6:%5B::1%5D:5000` as newer grpc writes it); None for a peer with none (`unix:...`)."""
@@ -199,17 +205,15 @@ class GrpcDoor:
 
     whole = True
 
-    def __init__(self, context: Any, trusted: str | None) -> None:
+    def __init__(self, context: Any, proxies: _TrustedHosts | None) -> None:
         self.context = context
         self.metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
         host = peer_host(context.peer())
         forwarded = self.metadata.get("x-forwarded-for")
-        if trusted is not None and isinstance(forwarded, str):
-            proxies = _TrustedHosts(trusted)
-            if host in proxies:
-                host = proxies.get_trusted_client_address(forwarded)[0] or host
+        if proxies is not None and isinstance(forwarded, str) and host in proxies:
+            host = proxies.get_trusted_client_address(forwarded)[0] or host
         self.client: Hashable = client_of(host)
-        self._body: bytes | None = None
+        self._size = 0  # the message's bytes: the pipeline holds the message, the door never
         loop = asyncio.get_running_loop()
         self._gone: asyncio.Future[None] = loop.create_future()
 
@@ -237,12 +241,12 @@ class GrpcDoor:
             raise ClientDisconnect
         if not isinstance(raw, bytes):  # the caller closed its side without a message
             raise WireFormatError("message", "one request message", "none")
-        self._body = raw
+        self._size = len(raw)
         return raw
 
     def body_size(self, limit: int) -> int:
         """The message's size, at most `limit`."""
-        n = len(self._body or b"")
+        n = self._size
         if n > limit:
             raise BodyTooLargeError(f"message: expected at most {limit} bytes, got {n}")
         return n

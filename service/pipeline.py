@@ -15,10 +15,9 @@ region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in
                being read slower than the door's minimum rate)
     account    whatever happened: admission and buffers given back, metrics, the log line
 
-The form supplies only the read and the answer (`form`); the door only who sent it and where
-its bytes are (`doors`); each is called from here and returns here, none calls back. A zen_mla
-error is answered in the form's shape; anything else is a bug of ours, answered 500 as
-InternalError; a client gone is a 499, in the metrics only."""
+The form supplies only the read and the answer (`form`), the door who sent it and where its
+bytes are (`doors`); each is called from here and returns here. A zen_mla error is answered in
+the form's shape; any other is a bug of ours, a 500 (InternalError); a hang-up a 499 (metrics)."""
 
 from __future__ import annotations
 
@@ -89,6 +88,7 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         engine = _engine(state)
         body = await _read(state, door, expect, record, held)
         work = await form.decode(body, engine, record)
+        del body  # a whole message (gRPC) is in the work's buffer now: not held twice meanwhile
         if work is None:
             answer = await form.answer(None, record)
         else:
@@ -123,9 +123,9 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client: a message read whole (gRPC) admitted
-    before it is awaited and charged once in; a region-socket frame (in already) charged as it
-    is; or a body still to come through the one body reader, admitted before a byte is read."""
+    """The request's bytes, admitted for its client: a whole message (gRPC) before it is
+    awaited, charged once in; a region-socket frame charged as it is; or a body still to come
+    through the one body reader, admitted before a byte is read."""
     admission = state.admission
     s = state.settings
     deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)

@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from zen_mla import BodyTooLargeError, RequestTimeoutError, ZenMLAError, __version__
 
-from ..doors import GrpcDoor
+from ..doors import GrpcDoor, trusted_proxies
 from ..forms.base import Form
 from ..pipeline import serve
 from ..settings import Settings
@@ -123,10 +123,11 @@ def _discard_answer(state: ServiceState) -> Callable[[asyncio.Future[GrpcAnswer]
 def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
     s = state.settings
     big_json = asyncio.Semaphore(1)  # as on HTTP: one large request head parsed at a time
+    proxies = trusted_proxies(s.forwarded_allow_ips)
 
     async def small(context: Context, kind: type[M]) -> tuple[M, GrpcDoor]:
         """A method's small message, read within the head limits."""
-        door = GrpcDoor(context, s.forwarded_allow_ips)
+        door = GrpcDoor(context, proxies)
         try:
             raw = await asyncio.wait_for(door.read(), s.header_timeout_s)
         except TimeoutError:
@@ -213,7 +214,7 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
         handler whose caller goes, and the pipeline must see a hang-up (its work, still read
         by a worker, handed to the task that waits it out), never a cancelled request that
         gives its buffers back under a running worker."""
-        door = GrpcDoor(context, s.forwarded_allow_ips)
+        door = GrpcDoor(context, proxies)
         task = asyncio.ensure_future(serve(state, door, form))
         try:
             answer = await asyncio.shield(task)
