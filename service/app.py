@@ -113,6 +113,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
             max_regions=s.system_shm_max_regions,
             max_bytes=s.system_shm_max_bytes,
             adopt=engine.adopt,
+            by_client=state.tenants.named,  # each tenant its own regions
         )
     path = s.regions_socket
     if path is None:

@@ -37,7 +37,7 @@ from .grpc_errors import GrpcError, grpc_error
 from .grpc_wire import response_bytes, split_request
 from .infer import V2Form, from_json, input_tensors, place_inputs
 from .outputs import Places, write_to_region
-from .register import REGISTER_BYTES, registry_of
+from .register import REGISTER_BYTES, regions_of, registry_of
 
 __all__ = [
     "GRPC_MAX_MESSAGE",
@@ -156,6 +156,7 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
     def expect(self, settings: Settings, door: Door) -> Expect:
         self.max_json_bytes = settings.max_json_bytes
         self.system_shm = settings.system_shm
+        self.scope_regions(door)
         return Expect(message_limit(settings), small=True)
 
     async def decode(
@@ -277,24 +278,26 @@ async def _respond(
 
 class GrpcRegisterForm(Form[GrpcAnswer]):
     """`SystemSharedMemoryRegister`: a small message read as any is, a /dev/shm object
-    registered, nothing computed."""
+    registered as the caller's region, nothing computed."""
 
     route = "grpc_register"
     computes = False
 
     def __init__(self, state: ServiceState) -> None:
         self.state = state
+        self.door: Door | None = None
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         registry_of(self.state)
+        self.door = door
         return Expect(REGISTER_BYTES, small=True)
 
     async def decode(
         self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
     ) -> None:
-        assert isinstance(body, bytes)
+        assert isinstance(body, bytes) and self.door is not None
         msg = parse(pb.SystemSharedMemoryRegisterRequest, body)
-        registry_of(self.state).register(msg.name, msg.key, msg.offset, msg.byte_size)
+        regions_of(self.state, self.door).register(msg.name, msg.key, msg.offset, msg.byte_size)
         return None
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:

@@ -28,7 +28,7 @@ from zen_mla import (
     ZenMLAError,
 )
 from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
-from zen_mla.regions import SystemShmRegistry, off_error
+from zen_mla.regions import ClientShm, SystemShmRegistry, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
@@ -69,17 +69,24 @@ def _header_length(request: Request, n: int) -> int:
 
 class V2Form(Form[A]):
     """What an infer request's forms share, over HTTP (`InferForm`) and gRPC
-    (`grpc_infer.GrpcInferForm`): the request read (`req`), where its outputs go, and a
+    (`grpc_infer.GrpcInferForm`): the request read (`req`), the caller's regions (`regions`,
+    once `expect` knows the caller: it names its own only), where its outputs go, and a
     worker's failure explained by the regions it read."""
 
-    def __init__(self, regions: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
-        self.regions = regions
+    def __init__(self, registry: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
+        self.registry = registry
+        self.regions: ClientShm | None = None
         self.big_json = big_json
         self.req: kr.InferRequest | None = None
         self.out_places: Places = {}
         self.direct = False
         self.max_json_bytes = 0  # the rest from the request's head (`expect`)
         self.system_shm = False
+
+    def scope_regions(self, door: Door) -> None:
+        """The regions this request may name: its client's (`door` authorized already)."""
+        if self.registry is not None:
+            self.regions = self.registry.of(door.client)
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
         assert self.req is not None
@@ -105,10 +112,10 @@ class InferForm(V2Form[Response]):
         request: Request,
         model: str,
         version: str,
-        regions: SystemShmRegistry | None,
+        registry: SystemShmRegistry | None,
         big_json: asyncio.Semaphore,
     ) -> None:
-        super().__init__(regions, big_json)
+        super().__init__(registry, big_json)
         self.request = request
         self.model, self.version = model, version
         self.json_bytes = self.binary_bytes = 0
@@ -131,6 +138,7 @@ class InferForm(V2Form[Response]):
                 f"got {self.json_bytes}; send tensors as binary data (binary_data_size)"
             )
         self.system_shm = settings.system_shm
+        self.scope_regions(door)
         return Expect(settings.max_body_bytes, lead=-self.json_bytes % ALIGN)
 
     async def decode(
@@ -187,7 +195,7 @@ def input_tensors(
     req: kr.InferRequest,
     buf: SharedBuffer | None,
     data_at: int,
-    regions: SystemShmRegistry | None,
+    regions: ClientShm | None,
 ) -> dict[str, torch.Tensor]:
     """Each input given as binary data or in a region as a tensor: views of the body's buffer
     or of the region (read by the workers only), copies where they must be (misaligned, or
@@ -214,7 +222,7 @@ def input_tensors(
     return tensors
 
 
-def check_regions(req: kr.InferRequest, regions: SystemShmRegistry | None) -> None:
+def check_regions(req: kr.InferRequest, regions: ClientShm | None) -> None:
     """Every region the request names still holds its registered range (InvalidInputError,
     naming the tensor, where one does not)."""
     if regions is None:
@@ -265,7 +273,7 @@ def place_inputs(
     tensors: dict[str, torch.Tensor],
     body: SharedBuffer | None,
     req: kr.InferRequest,
-    regions: SystemShmRegistry | None,
+    regions: ClientShm | None,
 ) -> tuple[list[SharedBuffer], SharedBuffer | None]:
     """The buffers q, k and v lie in (`body`: the one the request's binary data was read
     into, if any); where some lie in a region and others in none (JSON data, copies), those

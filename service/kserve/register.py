@@ -1,6 +1,6 @@
 """`POST /v2/systemsharedmemory/region/{name}/register` (`RegisterForm`): a small JSON body
-read through the one pipeline as any body is, and a /dev/shm object registered; nothing
-computed."""
+read through the one pipeline as any body is, and a /dev/shm object registered as the caller's
+region; nothing computed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
 from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
-from zen_mla.regions import SystemShmRegistry, off_error
+from zen_mla.regions import ClientShm, SystemShmRegistry, off_error
 
 from ..doors import Door
 from ..forms.base import Expect, Form, RequestRecord
@@ -17,7 +17,7 @@ from ..state import ServiceState, readiness
 from . import request as kr
 from .errors import error_response
 
-__all__ = ["REGISTER_BYTES", "RegisterForm", "registry_of"]
+__all__ = ["REGISTER_BYTES", "RegisterForm", "regions_of", "registry_of"]
 
 REGISTER_BYTES = 64 << 10  # a system shared memory registration's JSON, at most
 
@@ -32,16 +32,18 @@ class RegisterForm(Form[Response]):
     def __init__(self, state: ServiceState, name: str) -> None:
         self.state = state
         self.name = name
+        self.door: Door | None = None
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         registry_of(self.state)
+        self.door = door
         return Expect(REGISTER_BYTES, small=True)
 
     async def decode(
         self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
     ) -> None:
-        regions = registry_of(self.state)  # still there: the body read took a while
-        assert isinstance(body, bytes)
+        assert isinstance(body, bytes) and self.door is not None
+        regions = regions_of(self.state, self.door)  # still there: the body read took a while
         fields = kr.parse_header(body)
         if not isinstance(fields, dict):
             raise WireFormatError("register", "a JSON object", type(fields).__name__)
@@ -69,3 +71,9 @@ def registry_of(state: ServiceState) -> SystemShmRegistry:
     if state.system_shm is None:  # made as the engine starts
         raise readiness(state).error(retry_after=5)
     return state.system_shm
+
+
+def regions_of(state: ServiceState, door: Door) -> ClientShm:
+    """The regions of `door`'s client (its token checked already: `Door.authorize`), where
+    system shared memory is on and made (as `registry_of`)."""
+    return registry_of(state).of(door.client)

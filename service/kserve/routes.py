@@ -1,7 +1,8 @@
 """The Open Inference Protocol (KServe v2) next to `/prefill`: server and model metadata,
 health, `POST /v2/models/mla_prefill/infer` (`kserve.infer.InferForm`), and the system shared
 memory extension (off unless `system_shm`; a registration reads its JSON body through the one
-pipeline, `kserve.register`). Errors are the protocol's (`kserve.errors`).
+pipeline, `kserve.register`; a caller sees and names its own regions only). Errors are the
+protocol's (`kserve.errors`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from zen_mla import ZenMLAError
-from zen_mla.regions import SystemShmRegistry
+from zen_mla.regions import ClientShm
 
 from ..doors import HttpDoor
 from ..pipeline import serve
@@ -22,7 +23,7 @@ from ..state import ServiceState, readiness
 from . import request as kr
 from .errors import ERROR_RESPONSES, error_response
 from .infer import InferForm
-from .register import RegisterForm, registry_of
+from .register import RegisterForm, regions_of
 
 __all__ = ["add_routes"]
 
@@ -121,26 +122,29 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
     shm = "/v2/systemsharedmemory"
 
-    def registry(request: Request) -> SystemShmRegistry:
-        HttpDoor(request).authorize(state.tenants)
-        return registry_of(state)
+    def regions(request: Request) -> ClientShm:
+        """The caller's regions, its token checked: a tenant sees and names its own only."""
+        door = HttpDoor(request)
+        door.authorize(state.tenants)
+        return regions_of(state, door)
 
     @app.get(shm + "/status", tags=["v2"], responses=ERROR_RESPONSES)
     @app.get(shm + "/region/{name}/status", tags=["v2"], responses=ERROR_RESPONSES)
     @guarded
     async def shm_status(request: Request, name: str | None = None) -> Response:
-        """The registered regions (or one): name, key, offset, byte_size."""
-        return JSONResponse(registry(request).status(name))
+        """The caller's registered regions (or one): name, key, offset, byte_size."""
+        return JSONResponse(regions(request).status(name))
 
     @app.post(shm + "/region/{name}/register", tags=["v2"], responses=ERROR_RESPONSES)
     async def shm_register(request: Request, name: str) -> Response:
-        """Register `byte_size` bytes from `offset` of the /dev/shm object `key` as `name`."""
+        """Register `byte_size` bytes from `offset` of the /dev/shm object `key` as the
+        caller's region `name`."""
         return await serve(state, HttpDoor(request), RegisterForm(state, name))
 
     @app.post(shm + "/unregister", tags=["v2"], responses=ERROR_RESPONSES)
     @app.post(shm + "/region/{name}/unregister", tags=["v2"], responses=ERROR_RESPONSES)
     @guarded
     async def shm_unregister(request: Request, name: str | None = None) -> Response:
-        """Unregister one region, or all."""
-        registry(request).unregister(name)
+        """Unregister one of the caller's regions, or all of them."""
+        regions(request).unregister(name)
         return JSONResponse({})

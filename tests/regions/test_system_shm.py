@@ -1,22 +1,24 @@
 """The v2 system shared memory registry with real /dev/shm objects (no server): which keys it
-opens, the ranges it holds, and that a shrunk object is an error here, never a fault."""
+opens, the ranges it holds, that a shrunk object is an error here, never a fault, and that
+where tenants have tokens each client sees, names and counts its own regions only."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from zen_mla import InvalidInputError, NotFoundError
+from zen_mla import ForbiddenError, InvalidInputError, NotFoundError
 from zen_mla.pool import SharedBuffer
-from zen_mla.regions.system_shm import SHM_DIR, SystemShmRegistry
+from zen_mla.regions.system_shm import SHM_DIR, ClientShm, SystemShmRegistry
+
+ALICE, BOB = ("tenant", "alice"), ("tenant", "bob")
 
 
-@pytest.fixture
-def key() -> Iterator[str]:
+def shm_object() -> Iterator[str]:
     """A fresh /dev/shm object of 64 KiB, removed afterwards; its key with the leading '/'."""
     name = f"zen_mla_test_{uuid.uuid4().hex[:12]}"
     path = os.path.join(SHM_DIR, name)
@@ -30,8 +32,29 @@ def key() -> Iterator[str]:
                 os.unlink(p)
 
 
-def registry(max_regions: int = 4, max_bytes: int = 1 << 30) -> SystemShmRegistry:
-    return SystemShmRegistry(max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt)
+@pytest.fixture
+def key() -> Iterator[str]:
+    yield from shm_object()
+
+
+@pytest.fixture
+def other_key() -> Iterator[str]:
+    yield from shm_object()
+
+
+def tenants(max_regions: int = 4, max_bytes: int = 1 << 30) -> SystemShmRegistry:
+    """A registry whose clients are told apart (tenants with tokens of their own)."""
+    return SystemShmRegistry(
+        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_client=True
+    )
+
+
+def registry(max_regions: int = 4, max_bytes: int = 1 << 30) -> ClientShm:
+    """The regions of the one client there is where tenants have no tokens of their own."""
+    whole = SystemShmRegistry(
+        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_client=False
+    )
+    return whole.of(("addr", "127.0.0.1"))
 
 
 @pytest.mark.parametrize(
@@ -131,3 +154,86 @@ def test_a_sparse_object_past_the_byte_cap_or_the_address_space_is_a_4xx(key):
         small.register(f"r{i}", key, 0, 1 << 20)
     with pytest.raises(InvalidInputError, match=r"3145728 mapped"):
         small.register("r3", key, 0, 1 << 20)
+
+
+def refusal(call: Callable[[ClientShm], object], regions: ClientShm) -> str:
+    """What `call(regions)` raised, as its message (it must raise)."""
+    with pytest.raises((InvalidInputError, NotFoundError)) as info:
+        call(regions)
+    return str(info.value)
+
+
+def test_a_tenant_sees_names_and_unregisters_its_own_regions_only(key):
+    shm = tenants()
+    alice, bob = shm.of(ALICE), shm.of(BOB)
+    alice.register("a", key, 0, 4096)
+    mine = alice.status(None)
+    assert mine == [{"name": "a", "key": key, "offset": 0, "byte_size": 4096}]
+
+    # another's name is answered exactly as a name never registered (bob's own registry has
+    # none: what he is told of "a" there is what he must be told of alice's "a")
+    nobody = tenants().of(BOB)
+    assert bob.status(None) == []
+    for call in (
+        lambda r: r.status("a"),
+        lambda r: r.get("a"),
+        lambda r: r.resolve("q.shared_memory_region", "a"),
+        lambda r: r.place("q", "a", 0, 64, torch.bfloat16),
+        lambda r: r.place("out", "a", 0, 64, torch.bfloat16),
+    ):
+        assert refusal(call, bob) == refusal(call, nobody)
+    assert "region named 'a'" in refusal(lambda r: r.status("a"), bob)
+
+    bob.unregister("a")
+    bob.unregister(None)
+    shm.unregister(None)  # as a caller no tenant names: none of a tenant's regions
+    assert shm.status(None) == []
+    assert alice.status(None) == mine
+    assert alice.place("q", "a", 0, 64, torch.bfloat16) is alice.get("a")
+    alice.unregister(None)
+    assert len(shm) == 0
+
+
+def test_an_object_one_tenant_registered_is_refused_to_another(key, other_key):
+    shm = tenants()
+    alice, bob = shm.of(ALICE), shm.of(BOB)
+    alice.register("a", key, 0, 4096)
+    alice.register("a2", key.lstrip("/"), 4096, 4096)  # her own object twice: as Triton
+    os.link(SHM_DIR + key, SHM_DIR + key + "_link")  # another name of the same object
+    for name in (key, key.lstrip("/"), key + "_link"):
+        with pytest.raises(ForbiddenError, match="registered by another tenant"):
+            bob.register("b", name, 0, 16)
+    assert bob.status(None) == []
+    bob.register("b", other_key, 0, 16)  # an object of his own
+    with pytest.raises(ForbiddenError, match="registered by another tenant"):
+        alice.register("c", other_key, 0, 16)
+    alice.unregister(None)  # once she lets it go, it is anyone's to register
+    bob.register("a", key, 0, 16)
+    assert [r["name"] for r in bob.status(None)] == ["b", "a"]
+
+
+def test_limits_count_per_tenant(key, other_key):
+    shm = tenants(max_regions=2, max_bytes=16384)
+    alice, bob = shm.of(ALICE), shm.of(BOB)
+    alice.register("a", key, 0, 4096)
+    alice.register("b", key, 4096, 4096)  # maps 8192 bytes: 12288 hers in all
+    with pytest.raises(InvalidInputError, match="at most 2 regions"):
+        alice.register("c", key, 0, 16)
+    bob.register("a", other_key, 0, 8192)  # her regions and bytes are not his
+    with pytest.raises(InvalidInputError, match=r"16384 bytes .* \(8192 mapped\)"):
+        bob.register("b", other_key, 0, 8193)
+    assert len(alice) == 2 and len(bob) == 1 and len(shm) == 3
+
+
+def test_without_tenants_every_caller_is_one_client(key):
+    shm = SystemShmRegistry(
+        max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt, by_client=False
+    )
+    one, two = shm.of(("addr", "10.0.0.1")), shm.of(("addr", "10.0.0.2"))
+    one.register("a", key, 0, 4096)
+    two.register("b", key, 4096, 4096)  # the same object: one client
+    assert [r["name"] for r in two.status(None)] == ["a", "b"]
+    assert two.resolve("q.shared_memory_region", "a") is one.get("a")
+    assert shm.status(None) == one.status(None)
+    two.unregister(None)
+    assert len(shm) == 0

@@ -8,13 +8,18 @@ object is named, not handed over, and its owner may shrink it at any time. So:
 - a key names one object directly in /dev/shm (no path, no link, not a named semaphore), a
   regular file owned by this service's user, at least `offset + byte_size` long when
   registered;
+- a region is the client's that registered it, where tenants have tokens of their own: no
+  other tenant sees its name (another's name is unknown, as one never registered), uses it,
+  unregisters it, or registers its object; each tenant has its own count and bytes. Without
+  tenants every caller is one client, as the objects are all this service's user's;
 - this process never touches a region's memory: `cu_seq_lens` are read with `pread`, outputs
   the workers did not write in place go out with `pwrite`, and the size is checked again before
   each request. Only workers map and touch it; one killed by SIGBUS (the object shrank in the
   window after the check) is replaced, and its request answered 422 naming the tensor while
   the object is still short.
 
-`SystemShmRegistry` is owned by the event loop's thread: it takes no lock.
+`SystemShmRegistry`, and every `ClientShm` view of it, is owned by the event loop's thread: it
+takes no lock.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +35,7 @@ import torch
 from ..errors import ForbiddenError, InvalidInputError, NotFoundError
 from ..pool import SharedBuffer
 
-__all__ = ["SHM_DIR", "SystemRegion", "SystemShmRegistry", "off_error"]
+__all__ = ["EVERYONE", "SHM_DIR", "ClientShm", "SystemRegion", "SystemShmRegistry", "off_error"]
 
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9_.\-]{1,200})")
@@ -91,8 +96,15 @@ class SystemRegion:
             at, view = at + n, view[n:]
 
 
+#: the one owner of every region where clients are not told apart (no tenants of their own)
+EVERYONE: Hashable = ("everyone",)
+
+
 class SystemShmRegistry:
-    """Regions by name, at most `max_regions` of them."""
+    """Regions by client and name. Where `by_client` (tenants have tokens of their own), a
+    region is the client's that registered it: only that client sees, names, uses and
+    unregisters it, an object it registered is refused to the others, and each client counts
+    its own `max_regions` and `max_bytes`. Else every caller is one client (`EVERYONE`)."""
 
     def __init__(
         self,
@@ -100,26 +112,66 @@ class SystemShmRegistry:
         max_regions: int,
         max_bytes: int,
         adopt: Callable[[int, int], SharedBuffer],
+        by_client: bool,
     ) -> None:
         self.max_regions, self.max_bytes = max_regions, max_bytes
+        self.by_client = by_client
         self._adopt = adopt
-        self._regions: dict[str, SystemRegion] = {}
+        self._regions: dict[Hashable, dict[str, SystemRegion]] = {}  # by owner, then by name
 
     def __len__(self) -> int:
-        return len(self._regions)
+        return sum(len(held) for held in self._regions.values())
+
+    def of(self, client: Hashable) -> ClientShm:
+        """The regions `client` (a door's client, once authorized) sees and names."""
+        return ClientShm(self, client if self.by_client else EVERYONE)
+
+    def status(self, name: str | None) -> list[dict[str, object]]:
+        """`of(None).status(name)`: as a caller no tenant names."""
+        return self.of(None).status(name)
+
+    def unregister(self, name: str | None) -> None:
+        """`of(None).unregister(name)`: as a caller no tenant names."""
+        self.of(None).unregister(name)
+
+    def owner_of(self, inode: tuple[int, int]) -> Hashable | None:
+        """The client that registered the object `inode` (None: none has)."""
+        for owner, held in self._regions.items():
+            if any(r.inode == inode for r in held.values()):
+                return owner
+        return None
+
+
+class ClientShm:
+    """One client's regions (`SystemShmRegistry.of`). Another client's region name is unknown
+    here exactly as a name never registered, so a name says nothing of other clients."""
+
+    def __init__(self, registry: SystemShmRegistry, owner: Hashable) -> None:
+        self._registry = registry
+        self._owner = owner
+
+    def _held(self) -> dict[str, SystemRegion]:
+        return self._registry._regions.get(self._owner, {})
+
+    def __len__(self) -> int:
+        return len(self._held())
 
     def register(self, name: str, key: object, offset: object, byte_size: object) -> None:
-        if name in self._regions:
+        """`byte_size` bytes from `offset` of the object `key` as this client's region `name`
+        (InvalidInputError naming the field at fault; ForbiddenError where another client
+        registered that object)."""
+        registry, held = self._registry, self._held()
+        if name in held:
             raise InvalidInputError(
                 "name",
                 "a region name not registered yet",
                 f"{name!r}, registered already",
                 "Unregister it first",
             )
-        if len(self._regions) >= self.max_regions:
+        if len(held) >= registry.max_regions:
             raise InvalidInputError(
                 "name",
-                f"at most {self.max_regions} regions registered",
+                f"at most {registry.max_regions} regions registered",
                 "one more",
                 "Unregister regions you no longer use",
             )
@@ -137,16 +189,22 @@ class SystemShmRegistry:
         assert isinstance(offset, int) and isinstance(byte_size, int)
         if byte_size == 0:
             raise InvalidInputError("byte_size", "at least 1", "0")
-        held = sum(r.offset + r.byte_size for r in self._regions.values())
-        if held + offset + byte_size > self.max_bytes:
+        mapped = sum(r.offset + r.byte_size for r in held.values())
+        if mapped + offset + byte_size > registry.max_bytes:
             raise InvalidInputError(
                 "byte_size",
-                f"offset + byte_size within the {self.max_bytes} bytes regions may map in all "
-                f"({held} mapped)",
+                f"offset + byte_size within the {registry.max_bytes} bytes regions may map in "
+                f"all ({mapped} mapped)",
                 f"{offset} + {byte_size}",
                 "Register only the part of an object that tensors use",
             )
-        path = os.path.join(SHM_DIR, match.group(1))
+        buffer, inode = self._open(os.path.join(SHM_DIR, match.group(1)), offset, byte_size)
+        region = SystemRegion(name, str(key), offset, byte_size, buffer, inode)
+        registry._regions.setdefault(self._owner, {})[name] = region
+
+    def _open(self, path: str, offset: int, byte_size: int) -> tuple[SharedBuffer, tuple[int, int]]:
+        """The object at `path` opened, checked (a regular file of this service's user, no
+        other client's, holding the range) and mapped to the range's end; and its inode."""
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
@@ -166,6 +224,13 @@ class SystemShmRegistry:
                     f"an object owned by this service's user (uid {os.geteuid()})",
                     f"uid {st.st_uid}",
                 )
+            inode = (st.st_dev, st.st_ino)
+            owner = self._registry.owner_of(inode)
+            if owner is not None and owner != self._owner:
+                raise ForbiddenError(
+                    f"key: {path} is registered by another tenant, and an object is its "
+                    "registrant's until it unregisters it; register an object of your own"
+                )
             if st.st_size < offset + byte_size:
                 raise InvalidInputError(
                     "byte_size",
@@ -174,7 +239,7 @@ class SystemShmRegistry:
                 )
             try:
                 owned, fd = fd, -1  # the buffer's now, closed by it even when it fails
-                buffer = self._adopt(owned, offset + byte_size)
+                buffer = self._registry._adopt(owned, offset + byte_size)
             except (OSError, OverflowError, ValueError) as exc:  # no address space for it
                 raise InvalidInputError(
                     "byte_size",
@@ -185,32 +250,37 @@ class SystemShmRegistry:
             if fd >= 0:
                 os.close(fd)
             raise
-        self._regions[name] = SystemRegion(
-            name, str(key), offset, byte_size, buffer, (st.st_dev, st.st_ino)
-        )
+        return buffer, inode
 
     def unregister(self, name: str | None) -> None:
-        """One region (an unknown name is no error, as in Triton), or all with None. A request
-        in flight keeps its region's mapping until it is done."""
+        """One of this client's regions (an unknown name is no error, as in Triton), or all of
+        them with None. A request in flight keeps its region's mapping until it is done."""
+        held = self._registry._regions.get(self._owner)
+        if held is None:
+            return
         if name is None:
-            self._regions.clear()
+            held.clear()
         else:
-            self._regions.pop(name, None)
+            held.pop(name, None)
+        if not held:
+            del self._registry._regions[self._owner]
 
     def status(self, name: str | None) -> list[dict[str, object]]:
+        """This client's regions (or the one named): name, key, offset, byte_size."""
         if name is None:
-            return [r.status() for r in self._regions.values()]
+            return [r.status() for r in self._held().values()]
         return [self.get(name).status()]
 
     def get(self, name: str) -> SystemRegion:
-        region = self._regions.get(name)
+        """This client's region `name` (NotFoundError where it has none of that name)."""
+        region = self._held().get(name)
         if region is None:
             raise NotFoundError(f"no system shared memory region named {name[:80]!r}")
         return region
 
     def resolve(self, what: str, name: object) -> SystemRegion:
-        """The region a tensor names, or InvalidInputError naming the tensor."""
-        region = self._regions.get(name) if isinstance(name, str) else None
+        """This client's region a tensor names, or InvalidInputError naming the tensor."""
+        region = self._held().get(name) if isinstance(name, str) else None
         if region is None:
             raise InvalidInputError(what, "a registered region name", repr(name)[:80])
         return region
@@ -218,8 +288,8 @@ class SystemShmRegistry:
     def place(
         self, what: str, name: object, offset: int, nbytes: int, dtype: torch.dtype
     ) -> SystemRegion:
-        """The region named `name` for the tensor `what` of `nbytes` at `offset` into it, the
-        range checked against the registration and the object's size now."""
+        """This client's region `name` for the tensor `what` of `nbytes` at `offset` into it,
+        the range checked against the registration and the object's size now."""
         region = self.resolve(f"{what}.shared_memory_region", name)
         end = offset + nbytes
         if end > region.byte_size:
