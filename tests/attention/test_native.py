@@ -17,6 +17,9 @@ from tests.reference import attention_fp64
 from zen_mla.attention import select, validate
 from zen_mla.attention.kernels import native
 
+#: each test once per path of the kernel this CPU runs (tests/attention/conftest.py)
+pytestmark = pytest.mark.usefixtures("native_path")
+
 MLA = (4, 192, 128)
 
 #: (q lens, kv lens, causal): the edge cases, and shapes that cross the kernel's blocks (64
@@ -231,23 +234,25 @@ def test_scores_that_rise_along_a_row_keep_out_and_lse_accurate(keys, causal):
 
 
 @pytest.mark.parametrize(
-    ("module", "unbuilt", "cpu_ok", "says"),
+    ("module", "unbuilt", "paths", "wanted", "says"),
     [
-        (None, "the C++ build failed: g++: not found", True, "the C++ build failed: g++"),
-        (None, None, True, "it was not built"),
-        ("module", None, False, "needs AVX-512 BF16"),
+        (None, "the C++ build failed: g++: not found", [], "", "the C++ build failed: g++"),
+        (None, None, [], "", "it was not built"),
+        ("module", None, [], "", "needs AVX-512 BF16 or AVX2 with FMA"),
+        ("module", None, ["avx2"], "avx512", "ZEN_MLA_NATIVE_ISA=avx512, a path this CPU lacks"),
+        ("module", None, ["avx512", "avx2"], "sse4", "must be auto, avx512 or avx2, not 'sse4'"),
     ],
-    ids=["build_failed", "never_built", "cpu_lacks_avx512_bf16"],
+    ids=["build_failed", "never_built", "cpu_lacks_both", "forced_path_absent", "unknown_path"],
 )
-def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, cpu_ok, says):
-    """Where the build failed (setup.py leaves its reason beside the package), was skipped, or
-    the CPU lacks AVX-512 BF16, the reason reaches `zentorch_status()` and "auto" passes it
-    over."""
+def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, paths, wanted, says):
+    """Where the build failed (setup.py leaves its reason beside the package), was skipped, the
+    CPU runs none of the kernel's paths, or `ZEN_MLA_NATIVE_ISA` names one it does not run or
+    none at all, the reason reaches `host_kernels()` and "auto" passes the kernel over."""
 
     class FakeModule:
         @staticmethod
-        def cpu_supported() -> bool:
-            return cpu_ok
+        def cpu_paths() -> list[str]:
+            return paths
 
     def load():
         if module is None:
@@ -259,7 +264,9 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, cpu_ok, s
         reason_file.write_text(unbuilt + "\n")
     monkeypatch.setattr(native, "_UNBUILT", reason_file)
     monkeypatch.setattr(native, "_load", load)
+    monkeypatch.setenv(native.ISA_VARIABLE, wanted)
     native.native_module.cache_clear()
+    native.native_isa.cache_clear()
     select._native_probe.cache_clear()
     try:
         probed = select.probe_host_facts()
@@ -276,4 +283,5 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, cpu_ok, s
             zen_mla.ragged_attention(*batch, kernel="native")
     finally:
         native.native_module.cache_clear()
+        native.native_isa.cache_clear()
         select._native_probe.cache_clear()

@@ -18,6 +18,9 @@ from tests.batches import BatchSpec, make_batch
 from zen_mla.attention import validate
 from zen_mla.attention.kernels import native
 
+#: each test once per path of the kernel this CPU runs (tests/attention/conftest.py)
+pytestmark = pytest.mark.usefixtures("native_path")
+
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 

@@ -12,7 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from tests.batches import BatchSpec, make_batch
 from zen_mla.attention.kernels import native
 
-pytestmark = pytest.mark.native  # skips, with why, where the extension is not built or cannot run
+# skips, with why, where the extension is not built or cannot run; once per path of the kernel
+# this CPU runs (tests/attention/conftest.py)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("native_path")]
 
 #: MLA's head dims at two heads, (H, Dqk, Dv)
 HEADS = (2, 192, 128)

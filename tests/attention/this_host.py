@@ -37,9 +37,11 @@ def zentorch_runs() -> bool:
 
 
 def native_runs() -> bool:
-    """zen-mla's native extension imports, the CPU has AVX-512 BF16 (/proc/cpuinfo), and the
-    extension agrees with torch's fp32 SDPA on a causal case with MLA's head dims."""
-    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+    """zen-mla's native extension imports, the CPU has AVX-512 BF16 or AVX2 and FMA
+    (/proc/cpuinfo), and the extension agrees with torch's fp32 SDPA on a causal case with MLA's
+    head dims."""
+    flags = set(re.findall(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)[0].split())
+    if not ("avx512_bf16" in flags or {"avx2", "fma"} <= flags):
         return False
     try:
         importlib.import_module("zen_mla.attention.kernels._native")  # torch.ops.zen_mla

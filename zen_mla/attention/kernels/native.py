@@ -3,13 +3,17 @@ one call, Dqk and Dv apart (V never padded to Dqk), bottom-right causal, fp32-ac
 
 The kernel is the torch operator `torch.ops.zen_mla.native_attend` (`OPERATOR`), registered by
 importing the extension; its fake kernel (shapes without data, for torch.compile and
-FakeTensorMode) is registered here, as the extension loads."""
+FakeTensorMode) is registered here, as the extension loads. It has a path per ISA (`PATHS`):
+`avx512` (AVX-512 BF16, and AMX where the CPU has it: bf16 products) and `avx2` (AVX2 and FMA:
+fp32 products, for CPUs without bf16 arithmetic such as EPYC Zen 2 and Zen 3); it takes the
+best this CPU runs, or the one `ZEN_MLA_NATIVE_ISA` names (`native_isa()`)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import itertools
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
@@ -22,12 +26,16 @@ from .base import AttentionKernel, KernelCall
 
 __all__ = [
     "AMX_BLOCKS",
+    "AVX2_BLOCKS",
     "EXTENSION",
+    "ISA_VARIABLE",
     "OPERATOR",
     "PACK_FLOOR_BYTES",
+    "PATHS",
     "ZEN_BLOCKS",
     "NativeKernel",
     "blocks",
+    "native_isa",
     "native_module",
     "native_unavailable",
 ]
@@ -46,10 +54,22 @@ ZEN_BLOCKS = (128, 256)
 #: `long`, 0.97x `mixed`, 0.96x `short`, 0.94x `chunk` (256 x 256: 0.94 / 0.98 / 0.96 / 0.96;
 #: 512 x 256: 0.96 / 1.03 / 0.98 / 0.97).
 AMX_BLOCKS = (256, 512)
-#: the packed K and V of a call take at most twice the bytes of k and v, or this where that is
-#: less (a whole head where one takes more): past it, heads are packed and attended a group at
-#: a time. Padding makes a packed key of a tiny head cost many times its bytes (1 key of
-#: Dqk = 2, Dv = 1 packs 32 keys of 64 + 64 columns); MLA's batches pack in one group.
+#: On the AVX2 path (fp32 tiles: twice a bf16 tile's bytes), 128 x 256: measured with the path
+#: forced on an AMD EPYC Zen 5 (oneDNN held to AVX2, 2 threads, paired) against 64 x 256,
+#: 64 x 128 and 32 x 256, it was the fastest on `long`, `mixed` and `chunk` and level on `short`.
+AVX2_BLOCKS = (128, 256)
+#: the kernel's paths, best first, as the operator's `isa` and `ZEN_MLA_NATIVE_ISA` name them:
+#: AVX-512 BF16 (bf16 products; AMX tiles where the CPU has AMX), AVX2 with FMA (fp32 products)
+PATHS = ("avx512", "avx2")
+#: the environment variable that makes the kernel take one path (`PATHS`; `auto`, the default:
+#: the best this CPU runs), e.g. to run and measure the AVX2 path on an AVX-512 host
+ISA_VARIABLE = "ZEN_MLA_NATIVE_ISA"
+#: the packed K and V of a call take at most twice the bytes of k and v on the AVX-512 path (once
+#: them on the AVX2 path, whose fp32 packing takes twice bf16's), or this where that is less (a
+#: whole head where one takes more): past it, heads are packed and attended a group at a time.
+#: Padding makes a packed key of a tiny head cost many times its bytes (1 key of Dqk = 2,
+#: Dv = 1 packs 32 keys of 64 + 64 columns); MLA's batches pack in one group on the AVX-512
+#: path and in two on the AVX2 path.
 PACK_FLOOR_BYTES = 32 << 20
 #: the widest Dqk (and Dv) one brgemm call takes, as native.cpp's kChunk
 _CHUNK = 256
@@ -89,6 +109,7 @@ def _fake_attend(
     bn: int = 256,
     max_pack_bytes: int = 0,
     parts: torch.Tensor | None = None,
+    isa: str = "auto",
 ) -> None:
     """`OPERATOR` without data: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] bf16,
     q_cu_seq_lens and kv_cu_seq_lens [B + 1] int64; it writes out [Tq, H, Dv] bf16, lse
@@ -105,7 +126,8 @@ def _register_fake() -> None:
 
 @functools.cache
 def native_module() -> tuple[ModuleType | None, str | None]:
-    """The built extension and None, or None and why it cannot run here."""
+    """The built extension and None, or None and why it cannot run here (not built, the CPU
+    runs no path, or not the one `ZEN_MLA_NATIVE_ISA` names)."""
     try:
         module = _load()
     except ImportError as exc:
@@ -114,15 +136,50 @@ def native_module() -> tuple[ModuleType | None, str | None]:
         except OSError:
             why = f"it was not built ({exc})"
         return None, f"zen-mla's native kernel is not available: {why}"
-    if not module.cpu_supported():
-        return None, "zen-mla's native kernel needs AVX-512 BF16, which this CPU lacks"
+    paths = module.cpu_paths()
+    wanted = _wanted_isa()
+    if wanted not in ("auto", *PATHS):
+        return None, (
+            f"{ISA_VARIABLE} must be auto, {' or '.join(PATHS)}, not {wanted!r}: zen-mla's "
+            "native kernel is off"
+        )
+    if not paths:
+        return (
+            None,
+            "zen-mla's native kernel needs AVX-512 BF16 or AVX2 with FMA, which this CPU lacks",
+        )
+    if wanted != "auto" and wanted not in paths:
+        return None, (
+            f"zen-mla's native kernel: {ISA_VARIABLE}={wanted}, a path this CPU lacks "
+            f"({_NEEDS[wanted]}); it runs {', '.join(paths)}"
+        )
     return module, None
 
 
+#: what each path needs of the CPU, in words
+_NEEDS = {"avx512": "AVX-512 BF16", "avx2": "AVX2 with FMA"}
+
+
+def _wanted_isa() -> str:
+    return os.environ.get(ISA_VARIABLE, "").strip().lower() or "auto"
+
+
 @functools.cache
+def native_isa() -> str:
+    """The path the kernel takes here (`PATHS`): the one `ZEN_MLA_NATIVE_ISA` names, else the
+    best this CPU runs; "" where the kernel cannot run (`native_unavailable()` says why)."""
+    module = native_module()[0]
+    if module is None:
+        return ""
+    wanted = _wanted_isa()
+    return str(module.cpu_paths()[0]) if wanted == "auto" else wanted
+
+
 def blocks() -> tuple[int, int]:
-    """(queries, keys) of the kernel's blocks on this CPU: `AMX_BLOCKS` where it has AMX, else
-    `ZEN_BLOCKS`."""
+    """(queries, keys) of the kernel's blocks on this CPU and path: `AVX2_BLOCKS` on the AVX2
+    path, else `AMX_BLOCKS` where the CPU has AMX, else `ZEN_BLOCKS`."""
+    if native_isa() == "avx2":
+        return AVX2_BLOCKS
     return AMX_BLOCKS if cpu_facts().amx_bf16 else ZEN_BLOCKS
 
 
@@ -134,8 +191,9 @@ def native_unavailable() -> str | None:
 
 class NativeKernel(AttentionKernel):
     """A flash loop over oneDNN's brgemm micro-kernels (AVX-512 BF16 on Zen 4 / Zen 5, AMX on
-    Intel hosts that have it): the driver hands it the whole batch (`forward_ragged`), so the
-    threads share every sequence, head and query block, largest first."""
+    Intel hosts that have it, fp32 AVX2 FMA on Zen 2 / Zen 3): the driver hands it the whole
+    batch (`forward_ragged`), so the threads share every sequence, head and query block,
+    largest first."""
 
     name: ClassVar[str] = "native"
     needs_equal_head_dims: ClassVar[bool] = False
@@ -194,6 +252,8 @@ class NativeKernel(AttentionKernel):
             lse,
             *blocks(),
             _pack_budget(batch),
+            None,
+            native_isa(),
         )
         if dst is not out:
             out.copy_(dst)
@@ -204,17 +264,20 @@ class NativeKernel(AttentionKernel):
         its inputs, `out` and `lse`, for an `out` in host memory (as the engine and the workers
         hand it; a device `out` costs one more host copy of its size). It counts:
 
-        - the packed K and V, bf16: `ceil64(Dqk)` (past 256: a multiple of 256) plus
+        - the packed K and V, bf16 (fp32 on the AVX2 path): `ceil64(Dqk)` (past 256: a
+          multiple of 256) plus
           `ceil64(Dv)` columns for each key packed ahead (a sequence's keys in blocks of
           `blocks()`, its last block packed a power of two from 32 wide; a sequence of one
           block of queries packs its own as it goes, in its items' tiles), for the heads of one
           group: all of them, or as many as max(`PACK_FLOOR_BYTES`, twice the bytes of k and
-          v) holds, at least one. The buffer is kept for the next call (up to 256 MiB), which
+          v) holds (on the AVX2 path: the bytes of k and v), at least one. The buffer is kept
+          for the next call (up to 256 MiB), which
           allocates none where the kept one is large enough: counted all the same;
         - each of `threads` threads' tiles, at MLA's head dims ~0.45 MiB (128 x 256 blocks) or
-          ~1.3 MiB (256 x 512): its queries (bf16, bm x the packed Dqk), scores (fp32, bm x bn)
-          and probabilities (bf16), the fp32 accumulator (bm x `ceil64(Dv)`), running max and
-          sum, and a packed K and V block (bn keys). Each thread keeps its tiles for the next
+          ~1.3 MiB (256 x 512), ~0.75 MiB on the AVX2 path: its queries (bf16, bm x the packed
+          Dqk), scores (fp32, bm x bn) and probabilities (bf16; on the AVX2 path fp32 over the
+          scores), the fp32 accumulator (bm x `ceil64(Dv)`), running max and sum, and a packed
+          K and V block (bn keys; fp32 on the AVX2 path). Each thread keeps its tiles for the next
           call (up to 8 MiB), which allocates none where they are large enough: counted all the
           same;
         - the plan: the sequences, key blocks, query blocks and packing slices, and the two
@@ -229,15 +292,17 @@ class NativeKernel(AttentionKernel):
         heads, dqk, dv = batch.num_heads, batch.qk_head_dim, batch.v_head_dim
         bm, bn = blocks()
         kq, nv = _qk_depth(dqk), _round_up(dv, 64)
+        fp32 = native_isa() == "avx2"
+        size = 4 if fp32 else 2  # a packed value, a query's and (apart from S) a probability's
         _, ahead, key_blocks, units = _plan(batch)
-        head_bytes = ahead * (kq + nv) * 2
+        head_bytes = ahead * (kq + nv) * size
         group = heads if head_bytes == 0 else min(heads, max(1, _pack_budget(batch) // head_bytes))
         packed = _round_up(max(group * head_bytes, 1), 64)
         tiles = sum(
             _round_up(n, 64)
             for n in (
-                *(bm * kq * 2, bm * bn * 4, bm * nv * 4, bm * 4, bm * 4, bm * bn * 2),
-                *(bn * kq * 2, bn * nv * 2),
+                *(bm * kq * size, bm * bn * 4, bm * nv * 4, bm * 4, bm * 4),
+                *(0 if fp32 else bm * bn * 2, bn * kq * size, bn * nv * size),
             )
         )
         seqs = batch.num_seqs
@@ -260,7 +325,7 @@ def _qk_depth(dqk: int) -> int:
 def _pack_budget(batch: RaggedBatch) -> int:
     """The bytes the packed K and V of a call may take (`PACK_FLOOR_BYTES`)."""
     kv_bytes = batch.k.shape[0] * batch.num_heads * (batch.qk_head_dim + batch.v_head_dim) * 2
-    return max(PACK_FLOOR_BYTES, 2 * kv_bytes)
+    return max(PACK_FLOOR_BYTES, (1 if native_isa() == "avx2" else 2) * kv_bytes)
 
 
 def _plan(batch: RaggedBatch) -> tuple[int, int, int, int]:
