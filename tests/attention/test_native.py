@@ -273,7 +273,7 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, paths, wa
         assert says in probed.native_failure
         monkeypatch.setattr(select, "host_facts", lambda: probed)
         status = zen_mla.host_kernels()
-        assert status["native"] == {"ok": False, "reason": probed.native_failure}
+        assert status["native"] == {"ok": False, "reason": probed.native_failure, "path": None}
         assert (
             status["auto"]["out"]["kernel"] != "native" and says in status["auto"]["out"]["reason"]
         )

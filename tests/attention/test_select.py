@@ -63,8 +63,9 @@ def test_host_kernels_has_its_fields():
     assert (
         status["zentorch"]["ops"]["zentorch_sdpa_lse"] <= status["zentorch"]["ops"]["zentorch_sdpa"]
     )
-    assert set(status["native"]) == {"ok", "reason"}
+    assert set(status["native"]) == {"ok", "reason", "path"}
     assert (status["native"]["reason"] is None) == status["native"]["ok"]
+    assert (status["native"]["path"] in ("avx512", "avx2")) == status["native"]["ok"]
     for mode in ("out", "lse"):
         kernel, calibration = status["auto"][mode]["kernel"], status["auto"][mode]["calibration"]
         if calibration is not None:  # None where one kernel suits "auto"

@@ -21,7 +21,7 @@ from .calibrate import Calibration, build_facts, calibrated, calibration_enabled
 from .driver import attend
 from .host import CpuFacts, HostFacts, cpu_facts
 from .kernels import KERNELS, AttentionKernel, NativeKernel, ZentorchKernel
-from .kernels.native import native_unavailable
+from .kernels.native import native_isa, native_unavailable
 from .kernels.zentorch import zentorch_op
 
 __all__ = [
@@ -278,7 +278,8 @@ class HostStatus:
     suitable one was passed over, the chosen kernel's own, then which won the calibration and
     by how much. A calibration is None where one kernel suits or calibration is off.
     `native_ok`: zen-mla's native kernel is built, runs on this CPU and passed its start-up
-    probe; `native_reason` says why not where it did not (None where it did).
+    probe; `native_reason` says why not where it did not (None where it did); `native_path` the
+    path it takes here ("avx512", "avx2"; None where it cannot run).
     """
 
     installed: bool
@@ -292,6 +293,7 @@ class HostStatus:
     lse_reason: str
     native_ok: bool
     native_reason: str | None
+    native_path: str | None = None
     calibration: Calibration | None = None
     lse_calibration: Calibration | None = None
 
@@ -303,7 +305,11 @@ class HostStatus:
                 "out": _choice(self.auto_kernel, self.reason, self.calibration),
                 "lse": _choice(self.lse_kernel, self.lse_reason, self.lse_calibration),
             },
-            "native": {"ok": self.native_ok, "reason": self.native_reason},
+            "native": {
+                "ok": self.native_ok,
+                "reason": self.native_reason,
+                "path": self.native_path,
+            },
             "zentorch": self.zentorch(),
             "cpu": asdict(self.cpu),
         }
@@ -361,6 +367,7 @@ def host_status() -> HostStatus:
         lse_reason=lse.reason,
         native_ok=host.native_failure is None,
         native_reason=host.native_failure,
+        native_path=(native_isa() or None) if host.native_failure is None else None,
         calibration=auto.calibration,
         lse_calibration=lse.calibration,
     )
@@ -368,7 +375,7 @@ def host_status() -> HostStatus:
 
 def host_kernels() -> dict[str, Any]:
     """The host's kernels, probed once: `{"auto": {"out": {"kernel", "reason", "calibration"},
-    "lse": {...}}, "native": {"ok", "reason"}, "zentorch": {"installed", "version", "ops":
+    "lse": {...}}, "native": {"ok", "reason", "path"}, "zentorch": {"installed", "version", "ops":
     {"zentorch_sdpa", "zentorch_sdpa_lse"}}, "cpu": {...}}` (see `HostStatus`, its typed
     form)."""
     return host_status().as_dict()
