@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, NotFoundError, WireFormatError
-from zen_mla.wire import MAX_DIM, PrefillOptions, check_request_id, viewable
+from zen_mla.wire import PrefillOptions, check_request_id
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
+
+from .heads import SMALL_HEAD, check_shape, read_json
 
 __all__ = [
     "INPUTS",
@@ -158,9 +160,14 @@ class InferRequest:
 
 
 def parse_header(raw: bytes | memoryview) -> object:
-    """The request's JSON (an unreadable one is a 400)."""
+    """The request's JSON (an unreadable one is a 400). One over SMALL_HEAD bytes is walked
+    first (`heads.read_json`): its counts are held to their bounds before json.loads makes
+    objects of it."""
+    text = bytes(raw)
+    if len(text) > SMALL_HEAD:
+        text = read_json(text)
     try:
-        return json.loads(bytes(raw))
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:
         got = f"{type(exc).__name__}: {str(exc)[:120]}"
         raise WireFormatError("inference header", "a JSON object", got) from None
@@ -308,17 +315,12 @@ def _input(raw: object, binary_at: int) -> InputSpec:
         raise InvalidInputError(
             f"{name}.datatype", f"one of {', '.join(kinds)}", repr(datatype)[:40]
         )
-    shape = raw.get("shape")
-    if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and viewable(shape)):
-        raise InvalidInputError(
-            f"{name}.shape",
-            "a list of whole numbers 0 <= d < 2^48, of fewer than 2^48 elements (a 0 dim "
-            "counted as 1)",
-            repr(shape)[:60],
-        )
+    shape = check_shape(name, raw.get("shape"))
     if len(shape) != ndim:
         layout = "[T, H, D]" if ndim == 3 else "[B + 1]"
-        raise InvalidInputError(f"{name}.shape", f"{ndim} dimensions {layout}", str(shape)[:60])
+        raise InvalidInputError(
+            f"{name}.shape", f"{ndim} dimensions {layout}", str(list(shape))[:60]
+        )
     params = _tensor_parameters(name, raw.get("parameters"), "binary_data_size")
     spec = InputSpec(name, datatype, tuple(shape))
     shm = _shm_place(name, params)
@@ -355,10 +357,6 @@ def _input(raw: object, binary_at: int) -> InputSpec:
             )
         return InputSpec(name, datatype, spec.shape, binary=binary_at)
     return InputSpec(name, datatype, spec.shape, data=raw["data"])
-
-
-def _is_count(d: object) -> bool:
-    return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM
 
 
 def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[OutputSpec, ...]:
