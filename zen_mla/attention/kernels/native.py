@@ -161,7 +161,7 @@ _NEEDS = {"avx512": "AVX-512 BF16", "avx2": "AVX2 with FMA"}
 
 
 def _wanted_isa() -> str:
-    return os.environ.get(ISA_VARIABLE, "").strip().lower() or "auto"
+    return os.environ.get("ZEN_MLA_NATIVE_ISA", "auto").strip().lower() or "auto"
 
 
 @functools.cache
