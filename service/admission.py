@@ -16,7 +16,9 @@ holds the others off no longer than its first places take.
 The bytes charged are what the service will hold for a request, not what its client sends: its
 body's bytes as they arrive; before it is queued, the memory its kernel will allocate (padding,
 packing and tiles, `PrefillRequest.cost`) and its answer's; the kernel's once the work is done,
-the body's once its buffers are back, the answer's once its last byte is sent (`Charge`).
+the body's once its buffers are back, the answer's once its last byte is sent (`Charge`). A
+message a transport reads whole before the service sees its size (gRPC's) is charged the most
+that transport may read before it is asked for, and trimmed to its size once it is in.
 
 A body being read holds an upload slot (`max_uploads`), never a compute slot: `max_queue`
 counts only requests whose body is in. A small body (`SMALL_BODY` bytes at most: a regions
@@ -27,6 +29,10 @@ keeping up with the advertised minimum rate is never cut off for another, nor on
 (what the service has read of a body in its first moments says how busy the service was, not
 how fast the client sends: a 64 MB body sent at once was cut at 0.1 s, 0 bytes read, on a
 16-core Intel host under load).
+
+Every gRPC call holds a place among the calls open (`grpc_max_calls`, shared as the others are)
+from its start to its handler's end, whatever it reads: each holds a stream's memory in grpc and
+a handler here.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ class Admission:
     slots: Shares = field(init=False)
     places: Shares = field(init=False)  # bodies in, queued or computing
     bytes: Shares = field(init=False)  # what the service holds for requests (see the module)
+    calls: Shares = field(init=False)  # gRPC calls open, from their start to their handler's end
     held_bytes: Counter[str] = field(default_factory=Counter)  # the same, by kind: body, ...
 
     def __post_init__(self) -> None:
@@ -137,6 +144,8 @@ class Admission:
         self.slots = Shares(s.max_uploads, s.max_uploads + s.max_connections)
         self.places = Shares(s.max_queue, s.max_queue + s.max_connections)
         self.bytes = Shares(s.max_inflight_bytes, 2 * s.max_inflight_bytes)
+        # every gRPC call, whatever it reads: a stream holds grpc's memory and a handler
+        self.calls = Shares(s.grpc_max_calls, s.grpc_max_calls + s.max_connections)
 
     @property
     def uploads(self) -> int:
@@ -186,6 +195,20 @@ class Admission:
         self.charge(ticket, nbytes)
         self.inflight += 1
         return ticket
+
+    def open_call(self, client: Hashable) -> None:
+        """A place among the gRPC calls open for `client`'s new call, or QueueFullError (429);
+        `close_call` gives it back."""
+        if not self.calls.room(client):
+            raise QueueFullError(
+                f"{self.calls.total} gRPC calls are open ({self.calls.held[client]} of them this "
+                "client's)",
+                retry_after=1,
+            )
+        self.calls.take(client)
+
+    def close_call(self, client: Hashable) -> None:
+        self.calls.give(client)
 
     def _displace(self, client: Hashable) -> bool:
         """Cut off an upload past its grace that has fallen behind the minimum rate, of the
@@ -269,6 +292,14 @@ class Ticket:
     def charge(self, nbytes: int, kind: str = "body") -> None:
         """`nbytes` more of the byte budget for `kind`, or QueueFullError (429)."""
         self._admission.charge(self, nbytes, kind)
+
+    def trim(self, nbytes: int, kind: str = "body") -> None:
+        """The bytes held for `kind` lowered to `nbytes` (what was held before a size was known,
+        once it is), the rest back to the budget."""
+        excess = self.held[kind] - nbytes
+        if excess > 0:
+            self.held[kind] -= excess
+            self._admission.give(self.client, kind, excess)
 
     def refund(self, kind: str) -> None:
         """The bytes held for `kind` back to the budget."""

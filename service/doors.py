@@ -8,6 +8,7 @@ message grpc's transport reads whole."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Hashable, MutableMapping
 from typing import Any, Protocol
 from urllib.parse import unquote
@@ -16,13 +17,27 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from uvicorn.middleware.proxy_headers import _TrustedHosts
 
-from zen_mla import BodyTooLargeError, InvalidInputError, LengthRequiredError, WireFormatError
+from zen_mla import (
+    BodyTooLargeError,
+    InvalidInputError,
+    LengthRequiredError,
+    UnauthorizedError,
+    WireFormatError,
+)
 
 from .admission import client_of
 from .body import Receive
 from .tenants import Tenants
 
-__all__ = ["CallDoor", "Door", "GrpcDoor", "HttpDoor", "byte_count", "trusted_proxies"]
+__all__ = [
+    "CallDoor",
+    "Door",
+    "GrpcDoor",
+    "HttpDoor",
+    "byte_count",
+    "peer_address",
+    "trusted_proxies",
+]
 
 
 class Door(Protocol):
@@ -46,6 +61,11 @@ class Door(Protocol):
 
     def body_size(self, limit: int) -> int:
         """The bytes the request brings, at most `limit` (BodyTooLargeError above it)."""
+
+    def most(self, limit: int) -> int:
+        """The most bytes reading the request may take in, for a body of at most `limit`:
+        `limit` where the door's reader stops there; more where its transport reads a whole
+        message up to a limit of its own, which admission holds for it before it is read."""
 
     def arrived(self) -> bytes | None:
         """The bytes, where they are in already; None: to be read from `receive`."""
@@ -107,6 +127,10 @@ class HttpDoor:
             raise BodyTooLargeError(f"Content-Length: expected at most {limit} bytes, got {n}")
         return n
 
+    def most(self, limit: int) -> int:
+        """`limit`: the one body reader stops there."""
+        return limit
+
     def arrived(self) -> None:
         """None: the body is still to come, by `receive`."""
         return None
@@ -163,6 +187,10 @@ class CallDoor:
             raise BodyTooLargeError(f"body: expected at most {limit} bytes, got {n}")
         return n
 
+    def most(self, limit: int) -> int:
+        """`limit`: the frame is in already, its size known."""
+        return limit
+
     def arrived(self) -> bytes:
         """The frame's body: in already."""
         return self.body()
@@ -184,31 +212,41 @@ def trusted_proxies(allowed: str | None) -> _TrustedHosts | None:
     return None if allowed is None else _TrustedHosts(allowed)
 
 
-def peer_host(peer: str) -> str | None:
-    """The address in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, or
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """The address and port in a gRPC peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`, or
     `ipv6:%5B::1%5D:5000` as newer grpc writes it); None for a peer with none (`unix:...`)."""
     kind, _, rest = peer.partition(":")
-    rest = unquote(rest)
-    if kind == "ipv4":
-        return rest.rpartition(":")[0] or None
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]") or None
-    return None
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = unquote(rest).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def peer_host(peer: str) -> str | None:
+    """The address in a gRPC peer string (`peer_address`); None for a peer with none."""
+    address = peer_address(peer)
+    return None if address is None else address[0]
 
 
 class GrpcDoor:
     """A gRPC call: its client is the tenant its `authorization` metadata's bearer token names,
     else the peer's address (a proxy's `x-forwarded-for` only where the operator trusts that
     proxy, as on HTTP); its bytes are its one request message, read whole by grpc's transport
-    (which refuses one above the message limit before it is read), and `gone` the call's end
-    before the answer (a cancel, the caller's own deadline, a lost connection)."""
+    (which refuses one above `limit`, the message limit of every method, before it is read: the
+    pipeline holds that much for the call before it asks for the message), and `gone` the
+    call's end before the answer (a cancel, the caller's own deadline, a lost connection)."""
 
     whole = True
 
-    def __init__(self, context: Any, proxies: _TrustedHosts | None) -> None:
+    def __init__(self, context: Any, proxies: _TrustedHosts | None, limit: int) -> None:
         self.context = context
+        self.limit = limit  # the transport's message limit, one for every method
         self.metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()}
-        host = peer_host(context.peer())
+        self.peer: str = context.peer()  # its connection: the caller's address and port
+        host = peer_host(self.peer)
         forwarded = self.metadata.get("x-forwarded-for")
         if proxies is not None and isinstance(forwarded, str) and host in proxies:
             host = proxies.get_trusted_client_address(forwarded)[0] or host
@@ -232,6 +270,12 @@ class GrpcDoor:
         if tenant is not None:
             self.client = tenant
 
+    def identify(self, tenants: Tenants) -> None:
+        """`client` the tenant a good token names, else left the peer's: who a call is charged
+        to before it is known whether its method needs a token."""
+        with contextlib.suppress(UnauthorizedError):
+            self.authorize(tenants)
+
     async def read(self) -> bytes:
         """The request message, read whole (ClientDisconnect where the call ended instead: the
         caller cancelled, or grpc refused a message above its limit and ended the call;
@@ -250,6 +294,11 @@ class GrpcDoor:
         if n > limit:
             raise BodyTooLargeError(f"message: expected at most {limit} bytes, got {n}")
         return n
+
+    def most(self, limit: int) -> int:
+        """The transport's message limit where it is above `limit`: grpc reads a message whole,
+        up to one limit for every method, before the service sees its size."""
+        return max(limit, self.limit)
 
     def arrived(self) -> None:
         """None: the message is still to come, by `read`."""

@@ -123,20 +123,20 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client: a whole message (gRPC) before it is
-    awaited, charged once in; a region-socket frame charged as it is; or a body still to come
-    through the one body reader, admitted before a byte is read."""
-    admission = state.admission
-    s = state.settings
+    """The request's bytes, admitted for its client before any is read: a whole message (gRPC)
+    charged the most its transport may read; a socket's frame as it is; a body as it comes."""
+    admission, s = state.admission, state.settings
     deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)
     if door.whole:  # one message its transport reads whole: admitted before it is awaited
         admission.check_queue(door.client)
-        ticket = held.ticket = admission.admit(expect.limit, door.client)
+        most = door.most(expect.limit)  # what its transport may read: held before it reads
+        ticket = held.ticket = admission.admit(most, door.client)
+        ticket.charge(most)
         message = await read_message(
             door.read, ticket, deadline_at=deadline_at, deadline_s=s.deadline_s
         )
         n = ticket.got = door.body_size(expect.limit)
-        ticket.charge(n)
+        ticket.trim(n)
         ticket.uploaded()
         _arrived(record, n)
         return message

@@ -4,10 +4,12 @@ gRPC server (`kserve.grpc_server`) runs on uvicorn's event loop beside it."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import resource
 import socket
 import time
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -22,9 +24,10 @@ log = logging.getLogger("zen_mla.service")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServiceState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServiceState, grpc_connections: int) -> None:
         super().__init__(config)
         self.state = state
+        self.grpc_connections = grpc_connections  # gRPC's part of the connection budget
         self.drain_started: float | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -32,7 +35,7 @@ class DrainingServer(uvicorn.Server):
         listens before HTTP does and stops after it, its calls drained as HTTP's are."""
         grpc_server = None
         if self.state.settings.grpc_port:
-            grpc_server = await start_grpc(self.state)
+            grpc_server = await start_grpc(self.state, self.grpc_connections)
             log.info("gRPC listening on port %d", self.state.settings.grpc_port)
         try:
             await super().serve(sockets)
@@ -57,6 +60,24 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+# glibc's mallopt parameter: the size from which an allocation is mapped on its own
+M_MMAP_THRESHOLD = -3
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Allocations of `threshold` bytes and more mapped on their own (glibc's mallopt
+    M_MMAP_THRESHOLD, fixed), so memory they held goes back to the system once freed. By default
+    glibc raises the threshold to the largest such block freed (up to 32 MiB); blocks below it
+    then come from the heap and stay resident after they are freed: a gRPC message's bytes and
+    grpc's copies of them (seen: 2.8-3.4 GiB still held after six 200 MiB messages were
+    refused). Nothing where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, threshold)
+
+
 def raise_fd_limit() -> int:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the soft limit now.
 
@@ -73,24 +94,41 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def connection_cap(settings: Settings, fd_limit: int) -> int:
-    """`max_connections`, lowered so that `fd_reserve` descriptors stay for the pool."""
-    cap = min(settings.max_connections, max(1, fd_limit - settings.fd_reserve))
-    if cap < settings.max_connections:
+@dataclass(frozen=True, slots=True)
+class ConnectionCaps:
+    """The one connection budget, shared out: HTTP's cap (uvicorn's protocol, `protocol.py`)
+    and gRPC's (grpc core's `grpc.max_allowed_incoming_connections`). Each connection holds a
+    descriptor, and the two counts are kept apart (grpc core tells Python nothing of its
+    connections), so each side has a fixed part and together they stay in the budget."""
+
+    http: int
+    grpc: int
+
+
+def connection_caps(settings: Settings, fd_limit: int) -> ConnectionCaps:
+    """`max_connections`, lowered so that `fd_reserve` descriptors stay for the pool, shared
+    out: gRPC's part `grpc_max_connections`, at most half of it (none while gRPC is off), and
+    HTTP's the rest."""
+    budget = min(settings.max_connections, max(2, fd_limit - settings.fd_reserve))
+    if budget < settings.max_connections:
         log.warning(
             "max_connections lowered from %d to %d: %d descriptors allowed, %d kept for the pool",
             settings.max_connections,
-            cap,
+            budget,
             fd_limit,
             settings.fd_reserve,
         )
-    return cap
+    if not settings.grpc_port:
+        return ConnectionCaps(http=budget, grpc=0)
+    grpc = min(settings.grpc_max_connections, budget // 2)
+    return ConnectionCaps(http=budget - grpc, grpc=grpc)
 
 
 def build_server(settings: Settings, fd_limit: int) -> DrainingServer:
     app = create_app(settings)
+    caps = connection_caps(settings, fd_limit)
     limits = ConnectionLimits(
-        max_connections=connection_cap(settings, fd_limit),
+        max_connections=caps.http,
         max_header_bytes=settings.max_header_bytes,
         header_timeout_s=settings.header_timeout_s,
         linger_s=settings.linger_s,
@@ -114,4 +152,4 @@ def build_server(settings: Settings, fd_limit: int) -> DrainingServer:
         # h11's own head limit answers 400; ours (protocol.py) answers 431 before it is reached
         h11_max_incomplete_event_size=2 * settings.max_header_bytes,
     )
-    return DrainingServer(config, app.state.service)
+    return DrainingServer(config, app.state.service, caps.grpc)

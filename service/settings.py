@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .tenants import read_tenants
+from .tenants import check_shared_token, read_tenants
 
 
 class Settings(BaseSettings):
@@ -16,7 +16,10 @@ class Settings(BaseSettings):
     apart, the flag `zen-mla serve --<field>` (`_` as `-`), which service/cli.py makes from the
     field's type and description (its help)."""
 
-    model_config = SettingsConfigDict(env_prefix="ZEN_MLA_", frozen=True, extra="forbid")
+    # hide_input_in_errors: a refusal would print what was given, api_token's value among it
+    model_config = SettingsConfigDict(
+        env_prefix="ZEN_MLA_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
 
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 only on purpose")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
@@ -80,7 +83,34 @@ class Settings(BaseSettings):
         10.0, gt=0, description="a connection's headers must be in within this; 408 and closed"
     )
     max_connections: int = Field(
-        1024, ge=1, description="open connections; 503 above (also capped below the fd limit)"
+        1024,
+        ge=1,
+        description="open connections, HTTP's and gRPC's together; 503 above (also capped below "
+        "the fd limit)",
+    )
+    grpc_max_connections: int = Field(
+        256,
+        ge=1,
+        description="of max_connections, those gRPC may hold (HTTP keeps the rest); at most half "
+        "where the fd limit lowers the cap; a connection past it is closed at once",
+    )
+    grpc_max_streams: int = Field(
+        100,
+        ge=1,
+        description="calls open at once on one gRPC connection (HTTP/2 MAX_CONCURRENT_STREAMS); "
+        "a stream past it is refused until one ends",
+    )
+    grpc_max_calls: int = Field(
+        256,
+        ge=1,
+        description="gRPC calls open at once, shared between clients as the queue is; a call "
+        "past its client's share is RESOURCE_EXHAUSTED before its message is read",
+    )
+    grpc_max_resets: int = Field(
+        100,
+        ge=1,
+        description="calls a gRPC connection may cancel within a second of opening them (once "
+        "they are over half of its calls); past it the connection is closed (HTTP/2 rapid reset)",
     )
     fd_reserve: int = Field(
         256, ge=0, description="descriptors kept for the pool and the process, off the cap"
@@ -182,6 +212,16 @@ class Settings(BaseSettings):
         if self.grpc_port and self.uds is None and self.grpc_port == self.port:
             raise ValueError(
                 f"grpc_port: expected a port other than the HTTP port {self.port}, or 0 (off)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shared_token(self) -> Settings:
+        if self.api_token is not None and self.tenants_file is not None:
+            check_shared_token(
+                self.api_token.get_secret_value(),
+                read_tenants(self.tenants_file),
+                f"tenants file {self.tenants_file}",
             )
         return self
 

@@ -1,20 +1,28 @@
 """The Open Inference Protocol over gRPC: KServe v2's `inference.GRPCInferenceService`, served
 by grpc.aio on the service's event loop, on its own port (`grpc_port`).
 
-Every method reads its one message itself (each is registered as a stream of requests, so the
-service sees the call before its message). `ModelInfer` and `SystemSharedMemoryRegister` go
-through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`: token, admission before the
-message is read, shares, deadline, queue, metrics, log line) and write their one response
-themselves, its bytes charged to the caller until the call ends (as an HTTP answer's); the
-others read a small message within the head limits (`header_timeout_s`, `REGISTER_BYTES`) and
-answer at once. Errors are the HTTP ones as gRPC statuses (`grpc_errors`). Methods not served
-(streaming, model repository, CUDA shared memory, statistics, trace and log settings) answer
-UNIMPLEMENTED.
+Every method is registered as a stream of requests, so the service sees the call before its
+message and reads it only when it chooses. Each call first takes its client's place among the
+calls open and counts on its connection (`grpc_limits`). `ServerLive`, `ServerReady` and
+`ServerMetadata`, whose requests have no fields, are answered without reading their message.
+The others go through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`): the token, then
+admission, with the most grpc may read of a message (its one limit for every method) charged
+to the caller before the message is asked for, shares, deadline, queue, metrics and log line;
+`ModelInfer` computes, `SystemSharedMemoryRegister` registers, and the small ones
+(`MethodForm`: model readiness and metadata, shared memory status and unregistration) answer
+from a message of at most `REGISTER_BYTES`. Each writes its one response itself, its bytes
+charged to the caller until the call ends (as an HTTP answer's). Errors are the HTTP ones as
+gRPC statuses (`grpc_errors`). Methods not served (streaming, model repository, CUDA shared
+memory, statistics, trace and log settings) answer UNIMPLEMENTED.
 
-grpc's transport enforces the limits a request's head has on HTTP: the message limit
-(`max_body_bytes`, refused before it is read: RESOURCE_EXHAUSTED), metadata size, the time to
-complete a connection's handshake, and open connections; a connection idle that long is closed,
-and any after `CONNECTION_AGE_S` (clients reconnect by themselves)."""
+grpc's transport enforces the limits a request's head and a connection have on HTTP: the message
+limit (`max_body_bytes`, refused before it is read: RESOURCE_EXHAUSTED; one limit for every
+method, as grpc's server takes none per method, hence the charge above), metadata size, the time
+to complete a connection's handshake, the bytes a stream takes in before its message is asked
+for (HTTP/2's initial window), streams per connection (`grpc_max_streams`, counted until grpc
+has let go of a stream, so a reset stream holds its place until then) and open connections
+(gRPC's part of the one connection budget, `server.connection_caps`); a connection idle that
+long is closed, and any after `CONNECTION_AGE_S` (clients reconnect by themselves)."""
 
 from __future__ import annotations
 
@@ -26,10 +34,11 @@ import grpc
 from google.protobuf.message import Message
 from tritonclient.grpc import service_pb2 as pb
 
-from zen_mla import BodyTooLargeError, RequestTimeoutError, ZenMLAError, __version__
+from zen_mla import ZenMLAError, __version__
+from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
 
-from ..doors import GrpcDoor, trusted_proxies
-from ..forms.base import Form
+from ..doors import Door, GrpcDoor, trusted_proxies
+from ..forms.base import Expect, Form, RequestRecord
 from ..pipeline import serve
 from ..settings import Settings
 from ..state import ServiceState, readiness
@@ -43,9 +52,10 @@ from .grpc_infer import (
     message_limit,
     parse,
 )
+from .grpc_limits import CallLimits
 from .register import REGISTER_BYTES, registry_of
 
-__all__ = ["SERVICE", "GrpcListenError", "grpc_options", "start_grpc"]
+__all__ = ["SERVICE", "GrpcListenError", "MethodForm", "grpc_options", "start_grpc"]
 
 SERVICE = "inference.GRPCInferenceService"
 #: a connection's life: then GOAWAY (clients reconnect, and re-resolve a name to its replicas),
@@ -59,8 +69,9 @@ class GrpcListenError(RuntimeError):
     """The gRPC port cannot be listened on (in use, or not this host's)."""
 
 
-def grpc_options(settings: Settings) -> list[tuple[str, int]]:
-    """The transport's limits, from the service's settings."""
+def grpc_options(settings: Settings, connections: int) -> list[tuple[str, int]]:
+    """The transport's limits, from the service's settings and gRPC's part of the connection
+    budget (`connections`)."""
     head_ms = int(settings.header_timeout_s * 1000)
     return [
         ("grpc.max_receive_message_length", message_limit(settings)),
@@ -69,18 +80,25 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.absolute_max_metadata_size", settings.max_header_bytes),
         ("grpc.server_handshake_timeout_ms", head_ms),
         ("grpc.max_connection_idle_ms", head_ms),
-        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.max_allowed_incoming_connections", connections),
+        ("grpc.max_concurrent_streams", settings.grpc_max_streams),
+        # A stream's window before its message is asked for stays HTTP/2's initial 64 KiB: BDP
+        # probing grows it for every stream to the connection's bandwidth-delay product, and
+        # streams refused unread had taken in megabytes each (a stream being read has its window
+        # opened for its message all the same).
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.max_connection_age_ms", CONNECTION_AGE_S * 1000),
         ("grpc.max_connection_age_grace_ms", int(settings.deadline_s * 1000)),
         ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener on it
     ]
 
 
-async def start_grpc(state: ServiceState) -> grpc.aio.Server:
-    """The gRPC server for `state`, listening (GrpcListenError where its port cannot be bound)."""
+async def start_grpc(state: ServiceState, connections: int) -> grpc.aio.Server:
+    """The gRPC server for `state`, holding at most `connections` connections, listening
+    (GrpcListenError where its port cannot be bound)."""
     s = state.settings
-    server = grpc.aio.server(options=grpc_options(s))
-    server.add_generic_rpc_handlers((_handlers(state),))
+    server = grpc.aio.server(options=grpc_options(s, connections))
+    server.add_generic_rpc_handlers((_handlers(state, connections),))
     host = f"[{s.host}]" if ":" in s.host else s.host
     try:
         server.add_insecure_port(f"{host}:{s.grpc_port}")
@@ -120,60 +138,103 @@ def _discard_answer(state: ServiceState) -> Callable[[asyncio.Future[GrpcAnswer]
     return done
 
 
-def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
+class MethodForm(Form[GrpcAnswer]):
+    """A method with a small request message, as a form of the one pipeline that computes
+    nothing: its message (at most `REGISTER_BYTES`) parsed as `kind` and answered by `call`."""
+
+    computes = False
+
+    def __init__(self, route: str, kind: type[M], call: Callable[[M], Awaitable[Message]]) -> None:
+        self.route = route
+        self.kind = kind
+        self.call: Callable[[Any], Awaitable[Message]] = call
+        self.response: Message | None = None
+
+    def expect(self, settings: Settings, door: Door) -> Expect:
+        return Expect(REGISTER_BYTES, small=True)
+
+    async def decode(
+        self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
+    ) -> None:
+        assert isinstance(body, bytes)
+        self.response = await self.call(parse(self.kind, body))
+
+    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
+        assert self.response is not None
+        return GrpcReply(self.response.SerializeToString())
+
+    def refuse(
+        self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]
+    ) -> GrpcAnswer:
+        return grpc_error(exc)
+
+    def hung_up(self) -> GrpcAnswer:
+        return None
+
+
+def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
     s = state.settings
     big_json = asyncio.Semaphore(1)  # as on HTTP: one large request head parsed at a time
     proxies = trusted_proxies(s.forwarded_allow_ips)
+    limit = message_limit(s)
+    limits = CallLimits(state.admission, s, connections)
 
-    async def small(context: Context, kind: type[M]) -> tuple[M, GrpcDoor]:
-        """A method's small message, read within the head limits."""
-        door = GrpcDoor(context, proxies)
-        try:
-            raw = await asyncio.wait_for(door.read(), s.header_timeout_s)
-        except TimeoutError:
-            raise RequestTimeoutError(
-                f"the message did not arrive within {s.header_timeout_s} s"
-            ) from None
-        if len(raw) > REGISTER_BYTES:
-            raise BodyTooLargeError(f"message: expected at most {REGISTER_BYTES} bytes")
-        return parse(kind, raw), door
+    def method(handle: Callable[[GrpcDoor], Awaitable[None]]) -> grpc.RpcMethodHandler:
+        """`handle` as a method: the call holds its place among the calls open (refused
+        unread past its client's share) while it runs."""
 
-    def method(call: Callable[[Any, GrpcDoor], Awaitable[Message]], kind: type[M]) -> Any:
-        async def handle(_: Any, context: Context) -> bytes | None:
+        async def handler(_: Any, context: Context) -> None:
+            door = GrpcDoor(context, proxies, limit)
+            door.identify(state.tenants)  # charged to the tenant a good token names
             try:
-                msg, door = await small(context, kind)
-                answer: bytes = (await call(msg, door)).SerializeToString()
-                return answer
+                with limits.held(door):
+                    await handle(door)
             except ZenMLAError as exc:
                 await _send(context, grpc_error(exc))
-                return None
-            except Exception:  # ClientDisconnect: the call ended before its message came
-                if context.done() or context.cancelled():
-                    return None
-                raise
 
-        return grpc.stream_unary_rpc_method_handler(handle)
+        return grpc.stream_stream_rpc_method_handler(handler)
+
+    def unread(answer: Callable[[], Message]) -> grpc.RpcMethodHandler:
+        """A method whose request has no fields, answered without reading its message (grpc
+        holds at most a stream's window of it, dropped with the call)."""
+
+        async def handle(door: GrpcDoor) -> None:
+            await door.context.write(answer().SerializeToString())
+
+        return method(handle)
+
+    async def through_pipeline(door: GrpcDoor, form: Form[GrpcAnswer]) -> None:
+        """`form`'s call through the one pipeline, in a task of its own: grpc cancels a
+        handler whose caller goes, and the pipeline must see a hang-up (its work, still read
+        by a worker, handed to the task that waits it out), never a cancelled request that
+        gives its buffers back under a running worker."""
+        task = asyncio.ensure_future(serve(state, door, form))
+        try:
+            answer = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            door.hang_up()
+            state.abandoned.add(task)
+            task.add_done_callback(_discard_answer(state))
+            raise
+        await _send(door.context, answer)
+
+    def small(route: str, kind: type[M], call: Callable[[M], Awaitable[Message]]) -> Any:
+        return method(lambda door: through_pipeline(door, MethodForm(route, kind, call)))
 
     def ready() -> bool:
         return readiness(state).ready
 
-    async def server_live(msg: Any, door: GrpcDoor) -> Message:
-        return pb.ServerLiveResponse(live=True)
-
-    async def server_ready(msg: Any, door: GrpcDoor) -> Message:
-        return pb.ServerReadyResponse(ready=ready())
-
-    async def model_ready(msg: pb.ModelReadyRequest, door: GrpcDoor) -> Message:
-        kr.check_model(msg.name, msg.version)
-        return pb.ModelReadyResponse(ready=ready())
-
-    async def server_metadata(msg: Any, door: GrpcDoor) -> Message:
+    def server_metadata() -> Message:
         extensions = ["binary_tensor_data", "parameters"]
         if s.system_shm:
             extensions.append("system_shared_memory")
         return pb.ServerMetadataResponse(name="zen-mla", version=__version__, extensions=extensions)
 
-    async def model_metadata(msg: pb.ModelMetadataRequest, door: GrpcDoor) -> Message:
+    async def model_ready(msg: pb.ModelReadyRequest) -> Message:
+        kr.check_model(msg.name, msg.version)
+        return pb.ModelReadyResponse(ready=ready())
+
+    async def model_metadata(msg: pb.ModelMetadataRequest) -> Message:
         kr.check_model(msg.name, msg.version)
         meta = kr.model_metadata()
 
@@ -193,8 +254,7 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
             outputs=tensors(meta["outputs"]),
         )
 
-    async def shm_status(msg: pb.SystemSharedMemoryStatusRequest, door: GrpcDoor) -> Message:
-        door.authorize(state.tenants)
+    async def shm_status(msg: pb.SystemSharedMemoryStatusRequest) -> Message:
         response = pb.SystemSharedMemoryStatusResponse()
         for region in registry_of(state).status(msg.name or None):
             entry = response.regions[str(region["name"])]
@@ -202,46 +262,27 @@ def _handlers(state: ServiceState) -> grpc.GenericRpcHandler:
             entry.offset, entry.byte_size = int(region["offset"]), int(region["byte_size"])  # type: ignore[call-overload]
         return response
 
-    async def shm_unregister(
-        msg: pb.SystemSharedMemoryUnregisterRequest, door: GrpcDoor
-    ) -> Message:
-        door.authorize(state.tenants)
+    async def shm_unregister(msg: pb.SystemSharedMemoryUnregisterRequest) -> Message:
         registry_of(state).unregister(msg.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def through_pipeline(context: Context, form: Form[GrpcAnswer]) -> None:
-        """`form`'s call through the one pipeline, in a task of its own: grpc cancels a
-        handler whose caller goes, and the pipeline must see a hang-up (its work, still read
-        by a worker, handed to the task that waits it out), never a cancelled request that
-        gives its buffers back under a running worker."""
-        door = GrpcDoor(context, proxies)
-        task = asyncio.ensure_future(serve(state, door, form))
-        try:
-            answer = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            door.hang_up()
-            state.abandoned.add(task)
-            task.add_done_callback(_discard_answer(state))
-            raise
-        await _send(context, answer)
-
-    async def model_infer(_: Any, context: Context) -> None:
-        await through_pipeline(context, GrpcInferForm(state.system_shm, big_json))
-
-    async def shm_register(_: Any, context: Context) -> None:
-        await through_pipeline(context, GrpcRegisterForm(state))
-
     methods = {
-        "ServerLive": method(server_live, pb.ServerLiveRequest),
-        "ServerReady": method(server_ready, pb.ServerReadyRequest),
-        "ModelReady": method(model_ready, pb.ModelReadyRequest),
-        "ServerMetadata": method(server_metadata, pb.ServerMetadataRequest),
-        "ModelMetadata": method(model_metadata, pb.ModelMetadataRequest),
-        "ModelInfer": grpc.stream_stream_rpc_method_handler(model_infer),
-        "SystemSharedMemoryStatus": method(shm_status, pb.SystemSharedMemoryStatusRequest),
-        "SystemSharedMemoryRegister": grpc.stream_stream_rpc_method_handler(shm_register),
-        "SystemSharedMemoryUnregister": method(
-            shm_unregister, pb.SystemSharedMemoryUnregisterRequest
+        "ServerLive": unread(lambda: pb.ServerLiveResponse(live=True)),
+        "ServerReady": unread(lambda: pb.ServerReadyResponse(ready=ready())),
+        "ServerMetadata": unread(server_metadata),
+        "ModelReady": small("grpc_model", pb.ModelReadyRequest, model_ready),
+        "ModelMetadata": small("grpc_model", pb.ModelMetadataRequest, model_metadata),
+        "ModelInfer": method(
+            lambda door: through_pipeline(door, GrpcInferForm(state.system_shm, big_json))
+        ),
+        "SystemSharedMemoryStatus": small(
+            "grpc_shm", pb.SystemSharedMemoryStatusRequest, shm_status
+        ),
+        "SystemSharedMemoryRegister": method(
+            lambda door: through_pipeline(door, GrpcRegisterForm(state))
+        ),
+        "SystemSharedMemoryUnregister": small(
+            "grpc_shm", pb.SystemSharedMemoryUnregisterRequest, shm_unregister
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE, methods)
