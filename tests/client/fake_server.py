@@ -1,6 +1,7 @@
 """Hostile servers written by hand, for the client's tests: a loopback HTTP/1.1 server whose
 answers are raw bytes a test writes to the socket (trickled, lying, chunked, wrong), one that
-keeps connections alive and closes them as the service does at its connection cap, and a region
+keeps connections alive and closes them as the service does at its connection cap, one that
+takes requests and answers none until woken, a listener whose connects hang, and a region
 socket whose replies are raw frames."""
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ __all__ = [
     "Act",
     "FakeRegionSocket",
     "FakeServer",
+    "FullBacklog",
     "KeepAliveServer",
     "Request",
+    "SilentServer",
     "answer",
     "chunked",
     "closed",
@@ -179,6 +182,73 @@ def prefill_answer(request: Request) -> bytes:
     head = ["HTTP/1.1 200 OK", "Content-Type: application/octet-stream"]
     head.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class SilentServer(_Listener):
+    """Accepts connections at `host`:`port` (0: any free one; `url`) and reads a request on
+    each, answering none until `wake()`: from then on each request, held or new, is answered
+    (`/health/ready` 200, a prefill `prefill_answer`'s). `events` lists ("came" or
+    "answered", path) in order."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.woken = threading.Event()
+        self.events: list[tuple[str, str]] = []
+        self._lock = threading.Lock()  # guards events
+        listener = socket.create_server((host, port))
+        self.url = f"http://{host}:{listener.getsockname()[1]}"
+        super().__init__(listener)
+
+    def _note(self, what: str, path: str) -> None:
+        with self._lock:
+            self.events.append((what, path))
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30)
+            request = _read_request(conn)
+            self._note("came", request.path)
+            while not self.woken.wait(0.05):
+                if self.stop.is_set():
+                    return
+            if request.path == "/prefill":
+                conn.sendall(prefill_answer(request))
+            else:
+                conn.sendall(response(200, b'{"status": "ok"}'))
+            self._note("answered", request.path)
+            conn.shutdown(socket.SHUT_WR)
+            while not self.stop.is_set() and conn.recv(65536):
+                pass
+
+    def wake(self) -> None:
+        self.woken.set()
+
+    def seen(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self.events)
+
+
+class FullBacklog:
+    """A socket listening at `host`:`port` (0: any free one; `url`) that accepts nothing, its
+    backlog (of one) taken by a connection of its own: a connect there hangs, its SYNs
+    dropped, until the connecting side gives up."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._listener = socket.socket()
+        self._listener.bind((host, port))
+        self._listener.listen(0)
+        port = self._listener.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self._filler = socket.create_connection((host, port), timeout=5)
+
+    def close(self) -> None:
+        self._filler.close()
+        self._listener.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # What a KeepAliveServer does with a request: True to keep the connection for the next one.

@@ -15,8 +15,17 @@ import zen_mla
 from tests.service.servers import free_port
 from zen_mla.client import PrefillClient
 from zen_mla.client._deadline import Deadline
-from zen_mla.client._endpoints import PROBE_FIRST, PROBE_MAX, Balancer, Endpoint, where
-from zen_mla.client._retry import failover
+from zen_mla.client._endpoints import (
+    LONG_DOWN,
+    PROBE_FIRST,
+    PROBE_LONG_MAX,
+    PROBE_MAX,
+    PROBES_AT_ONCE,
+    Balancer,
+    Endpoint,
+    where,
+)
+from zen_mla.client._retry import failover, next_step
 
 NAME_URL = "http://replicas.example:8000/base"
 
@@ -47,23 +56,61 @@ def test_equal_load_rotates():
     assert {bal.pick(set()) for _ in range(4)} == set(eps)
 
 
+def probe_failed(bal: Balancer[None], ep: Endpoint[None]) -> None:
+    """`ep`'s next probe made at once (a second later, for the rate), and not ready."""
+    bal._queue_probe(ep, 0.0)
+    bal._filled -= 1.0
+    assert bal.due() == [ep]
+    bal.probed(ep, ready=False)
+
+
 def test_one_down_gets_no_work_until_its_probe_says_ready():
     eps = endpoints(2)
     bal = Balancer(eps)
     bal.down(eps[0])
     assert bal.due() == []  # its first probe waits a moment
     assert all(bal.pick(set()) is eps[1] for _ in range(10))
-    eps[0].probe_at = 0.0
+    time.sleep(PROBE_FIRST)
     assert bal.due() == [eps[0]]
     assert bal.due() == []  # being probed
     bal.probed(eps[0], ready=False)
     assert eps[0].down and eps[0].probe_wait == 2 * PROBE_FIRST
     assert eps[0].probe_at > time.monotonic()
     for _ in range(10):
-        bal.probed(eps[0], ready=False)
+        probe_failed(bal, eps[0])
     assert eps[0].probe_wait == PROBE_MAX
+    eps[0].down_since -= LONG_DOWN  # down a long time: its probes thin out further
+    for _ in range(10):
+        probe_failed(bal, eps[0])
+    assert eps[0].probe_wait == PROBE_LONG_MAX
+    assert all(bal.pick(set()) is eps[1] for _ in range(10))
+    bal.down(eps[1])  # all down: tried anyway, the least loaded
+    bal.begin(eps[1], 5)
+    assert bal.pick(set()) is eps[0]
+    bal.end(eps[1], 5)
+    bal._queue_probe(eps[0], 0.0)
+    bal._filled -= 1.0
+    assert bal.due() == [eps[0]]
     bal.probed(eps[0], ready=True)
-    assert {bal.pick(set()) for _ in range(4)} == set(eps)
+    assert not eps[0].down
+    assert all(bal.pick(set()) is eps[0] for _ in range(4))
+
+
+def test_many_down_are_probed_a_few_at_a_time():
+    """A thousand addresses down at once: at most PROBES_AT_ONCE probes in flight, started at
+    most PROBE_RATE a second, earliest due first; none looked at while none is due."""
+    eps = endpoints(1000)
+    bal = Balancer(eps)
+    for ep in eps[1:]:
+        bal.down(ep, probe_in=0.0)
+    first = bal.due()
+    assert first == eps[1 : 1 + PROBES_AT_ONCE]
+    assert bal.due() == []  # every slot in flight
+    for ep in first:
+        bal.probed(ep, ready=False)
+    bal._filled -= 1.0  # a second on: PROBE_RATE more may start, PROBES_AT_ONCE at once
+    assert bal.due() == eps[1 + PROBES_AT_ONCE : 1 + 2 * PROBES_AT_ONCE]
+    assert all(bal.pick(set()) is eps[0] for _ in range(10))
 
 
 def test_every_endpoint_down_is_tried_anyway():
@@ -130,6 +177,39 @@ def test_a_failure_the_endpoint_may_have_served_is_no_failover(exc):
     bal = Balancer(eps)
     assert not failover(exc, eps[0], set(), bal, Deadline(10.0))
     assert not eps[0].down  # next_step decides (a reset: down, and a retry's turn)
+
+
+@pytest.mark.parametrize(
+    "exc", [httpx.ConnectTimeout("no SYN-ACK"), httpx.ReadTimeout("no answer")]
+)
+def test_an_endpoint_the_deadline_passed_on_is_left_out_before_the_error(exc):
+    eps = endpoints(2)
+    bal = Balancer(eps)
+    past = Deadline(0.0)
+    assert not failover(exc, eps[0], set(), bal, past)  # no time to go on
+    with pytest.raises(zen_mla.DeadlineExceededError):
+        next_step(exc, eps[0], set(), 0, 3, bal, past)
+    assert eps[0].down
+    assert all(bal.pick(set()) is eps[1] for _ in range(4))
+
+
+def test_a_read_timeout_with_time_left_is_not_sent_again_but_left_out():
+    eps = endpoints(2)
+    bal = Balancer(eps)
+    with pytest.raises(zen_mla.DeadlineExceededError, match="no answer in time"):
+        next_step(httpx.ReadTimeout("slow"), eps[0], set(), 0, 3, bal, Deadline(10.0))
+    assert eps[0].down
+
+
+def test_a_connect_takes_its_share_of_what_the_call_has_left():
+    deadline = Deadline(8.0)
+    assert deadline.connect_timeout(5.0) == 5.0  # all of what is left, by default
+    deadline.connect_share = 0.25
+    assert 1.9 < (deadline.connect_timeout(5.0) or 0) <= 2.0
+    assert deadline.connect_timeout(1.0) == 1.0
+    assert 1.9 < (deadline.connect_timeout(None) or 0) <= 2.0
+    assert Deadline(None).connect_timeout(3.0) == 3.0
+    assert (Deadline(0.0).connect_timeout(3.0) or 0) <= 0
 
 
 def test_ip_literals_and_unix_sockets_are_not_looked_up():

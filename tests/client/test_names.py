@@ -6,7 +6,6 @@ behind one name: tests/client/test_names_served.py."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import shutil
 import socket
@@ -14,9 +13,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -25,10 +22,10 @@ import torch
 import zen_mla
 from service.problems import problem_bytes
 from tests.batches import BATCH_SPECS, make_batch
-from tests.client.clients import CLIENTS
+from tests.client.clients import CLIENTS, calling
 from tests.client.fake_server import FakeServer, Request, _Listener, prefill_answer, response
 from tests.processes import wait_for
-from zen_mla.client import AsyncPrefillClient, PrefillClient
+from zen_mla.client import PrefillClient
 from zen_mla.client._names import Lookups, resolve
 
 
@@ -42,31 +39,6 @@ def _localhost() -> list[str]:
 needs_localhost = pytest.mark.skipif(
     "127.0.0.1" not in _localhost(), reason="localhost does not resolve to 127.0.0.1 here"
 )
-
-
-@contextmanager
-def calling(kind: str, url: str | list[str], **options: Any) -> Iterator[tuple[Any, Callable]]:
-    """(the client, a blocking call of its prefill): the asyncio client's calls run on a loop
-    of their own, in a thread, as long as the block."""
-    if kind == "sync":
-        with PrefillClient(url, **options) as client:
-            yield client, client.prefill
-        return
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    aclient = AsyncPrefillClient(url, **options)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(aclient.prefill(*args, **kwargs), loop).result()
-
-    try:
-        yield aclient, call
-    finally:
-        asyncio.run_coroutine_threadsafe(aclient.aclose(), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 class Replica:

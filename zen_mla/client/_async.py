@@ -28,17 +28,19 @@ from ._endpoints import Endpoint
 from ._names import FIRST_WAIT
 from ._resend import Resend
 from ._retry import Translated
-from ._transport import HeardTransport
+from ._transport import HeardTransport, call_deadline
 
 __all__ = ["AsyncPrefillClient"]
 
 
 @contextlib.asynccontextmanager
 async def _async_call(deadline: Deadline) -> AsyncIterator[None]:
-    """The call's task is cancelled at the deadline, whatever it awaits."""
+    """The call's task is cancelled at the deadline, whatever it awaits; its connects take their
+    share of what it has left (`call_deadline`)."""
     try:
         async with asyncio.timeout(deadline.remaining()) as scope:
-            yield
+            with call_deadline(deadline):
+                yield
     except TimeoutError as exc:
         if scope.expired() and not isinstance(exc, ZenMLAError):
             raise deadline.exceeded() from exc
@@ -78,7 +80,6 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
             url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory,
             uds=uds, resolve_every=resolve_every,
         )  # fmt: skip
-        self._regions_lock = asyncio.Lock()  # guards the endpoints' offers
         self._probes: set[asyncio.Task[None]] = set()
 
     def _connect(self, url: httpx.URL, headers: dict[str, str]) -> httpx.AsyncClient:
@@ -86,6 +87,9 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         return httpx.AsyncClient(
             base_url=url, headers=headers, timeout=self._timeout, transport=transport
         )
+
+    def _asking(self) -> asyncio.Lock:
+        return asyncio.Lock()
 
     def _launch_probe(self, ep: Endpoint[httpx.AsyncClient]) -> None:
         task = asyncio.get_running_loop().create_task(self._probe(ep))
@@ -98,10 +102,12 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         ready = False
         self._balancer.begin(ep, 0)
         try:
+            # its own deadline: the task was made in a call's context, with the call's
             async with asyncio.timeout(deadline.remaining()):
-                status = (await self._send(ep, READY, deadline))[0]
-                if status == 404:  # a service older than /health/ready
-                    status = (await self._send(ep, HEALTH, deadline))[0]
+                with call_deadline(deadline):
+                    status = (await self._send(ep, READY, deadline))[0]
+                    if status == 404:  # a service older than /health/ready
+                        status = (await self._send(ep, HEALTH, deadline))[0]
             ready = status == 200
         except Exception:  # unreachable, closed meanwhile, timed out: not ready
             pass
@@ -146,7 +152,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         """As `PrefillClient._regions_for`."""
         if self._shared_memory is False:
             return None
-        async with self._regions_lock:
+        async with ep.asking:
             offer = ep.offer
             if offer is None or not offer.current():
                 status, _, body = await self._send(ep, HEALTH, deadline)
@@ -155,7 +161,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
 
     async def _refused(self, ep: Endpoint[httpx.AsyncClient]) -> None:
         """As `PrefillClient._refused`."""
-        async with self._regions_lock:
+        async with ep.asking:
             if ep.offer is not None:
                 ep.offer.refused()
 

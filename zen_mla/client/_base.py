@@ -26,7 +26,7 @@ from ..errors import (
 from ..regions.client import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
-from ._deadline import Deadline, call_budget
+from ._deadline import CONNECT_SHARE, Deadline, call_budget
 from ._endpoints import Balancer, Endpoint, weigh, where
 from ._inputs import checked_tensors
 from ._memory import AnswerMemory
@@ -110,13 +110,17 @@ class ClientRequest:
         """The endpoint for the next attempt, its work counted there until the block ends. A
         failure that earns another attempt ends the block (`wait` says when); others are raised.
         An attempt that failed over to another address of the same name (`failover`) counts
-        for no retry."""
+        for no retry. While the client has another endpoint, a connect takes at most
+        `CONNECT_SHARE` of what the call has left; an attempt the call's deadline ends (a
+        timeout, or the asyncio client's call cancelled at it) leaves its endpoint out until
+        its readiness probe says 200 (`Balancer.down`), as a refused one."""
         self.deadline.check()
         client = self._client
         bal = client._balancer
         ep = bal.pick(self._tried)
         for due in bal.due():
             client._launch_probe(due)
+        self.deadline.connect_share = CONNECT_SHARE if len(bal) > 1 else 1.0
         bal.begin(ep, self._work)
         free = False
         try:
@@ -126,6 +130,11 @@ class ClientRequest:
             self.wait = 0.0 if free else next_step(
                 exc, ep, self._tried, self._attempts, client._retries, bal, self.deadline,
             )  # fmt: skip
+        except BaseException:
+            left = self.deadline.remaining()
+            if left is not None and left <= 0:
+                bal.down(ep)
+            raise
         finally:
             bal.end(ep, self._work)
             self._attempts += not free
@@ -243,8 +252,13 @@ class BaseClient(Generic[H]):
         """Probe `ep`'s readiness in the background (`READY`), reporting to `Balancer.probed`."""
         raise NotImplementedError
 
+    def _asking(self) -> Any:
+        """The twin's lock an endpoint's regions are asked for under (`Endpoint.asking`)."""
+        raise NotImplementedError
+
     def _endpoint(self, source: str, address: str | None) -> Endpoint[H]:
-        return Endpoint(source, address, self._connect(*where(source, address)))
+        http = self._connect(*where(source, address))
+        return Endpoint(source, address, http, self._asking())
 
     @property
     def endpoints(self) -> list[str]:
@@ -279,8 +293,7 @@ class BaseClient(Generic[H]):
                 known = {e.address for e in kept}
                 new = [self._endpoint(source, a) for a in addresses if a not in known]
                 for ep in new if not first else []:
-                    self._balancer.down(ep)
-                    ep.probe_at = 0.0  # probed on the next call
+                    self._balancer.down(ep, probe_in=0.0)  # probed on the next call
                 self._balancer.place(source, kept + new)
 
     def _retire(self, ep: Endpoint[H]) -> None:

@@ -9,7 +9,11 @@ import httpx
 
 from ..errors import DeadlineExceededError
 
-__all__ = ["Deadline", "call_budget"]
+__all__ = ["CONNECT_SHARE", "Deadline", "call_budget"]
+
+#: of what a call has left, the most one connect (TCP, and TLS's handshake) may take while the
+#: call has another endpoint to go to: one whose connects hang leaves the call time to go on
+CONNECT_SHARE = 0.25
 
 
 def call_budget(timeout: httpx.Timeout | float) -> float | None:
@@ -27,10 +31,22 @@ class Deadline:
     def __init__(self, budget: float | None) -> None:
         self.budget = budget
         self._at = None if budget is None else time.monotonic() + budget
+        # of what is left, the most a connect may take now (`connect_timeout`): all of it,
+        # or CONNECT_SHARE while the call has another endpoint (set by each attempt)
+        self.connect_share = 1.0
 
     def remaining(self) -> float | None:
         """Seconds left, <= 0 once past; None without a bound."""
         return None if self._at is None else self._at - time.monotonic()
+
+    def connect_timeout(self, timeout: float | None) -> float | None:
+        """Seconds a connect may take now: `timeout` (the client's connect phase, None for no
+        bound), cut to `connect_share` of what is left (<= 0 once past)."""
+        left = self.remaining()
+        if left is None:
+            return timeout
+        share = left if left <= 0 else left * self.connect_share
+        return share if timeout is None else min(timeout, share)
 
     def check(self) -> None:
         left = self.remaining()

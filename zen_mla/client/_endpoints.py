@@ -6,12 +6,13 @@ HTTP client and its same-host regions hold on to while the set of endpoints chan
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import threading
 import time
 from collections.abc import Collection, Iterable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 import torch
@@ -19,10 +20,25 @@ import torch
 from ..attention.batch import total_visible_pairs
 from ._offers import Offer
 
-__all__ = ["PROBE_FIRST", "PROBE_MAX", "Balancer", "Endpoint", "weigh", "where"]
+__all__ = [
+    "LONG_DOWN",
+    "PROBES_AT_ONCE",
+    "PROBE_FIRST",
+    "PROBE_LONG_MAX",
+    "PROBE_MAX",
+    "PROBE_RATE",
+    "Balancer",
+    "Endpoint",
+    "weigh",
+    "where",
+]
 
 PROBE_FIRST = 0.25  # seconds from a failure to the first readiness probe of the endpoint
-PROBE_MAX = 2.0  # seconds, at most, between two probes of an endpoint still not ready
+PROBE_MAX = 2.0  # seconds, at most, between two probes of an endpoint down less than LONG_DOWN
+LONG_DOWN = 60.0  # seconds down after which an endpoint's probes thin out to PROBE_LONG_MAX
+PROBE_LONG_MAX = 30.0  # seconds, at most, between two probes of an endpoint down longer
+PROBES_AT_ONCE = 8  # probes in flight at most, all endpoints together
+PROBE_RATE = 50.0  # probes started a second at most, all endpoints together (past a burst of 8)
 
 H = TypeVar("H")  # the twin's HTTP client: httpx.Client or httpx.AsyncClient
 
@@ -40,10 +56,10 @@ class Endpoint(Generic[H]):
     `http` (the twin's client, made for `where(source, address)`) then connects to,
     the name staying the Host header's and the TLS server name (`extensions`). Its balance
     (`outstanding` work, `calls`, `down`, the next probe) is guarded by the Balancer's lock;
-    `offer`, its regions, by the client's lock over them."""
+    `offer`, its regions, by `asking` (the twin's lock, held while they are asked for)."""
 
-    def __init__(self, source: str, address: str | None, http: H) -> None:
-        self.source, self.address, self.http = source, address, http
+    def __init__(self, source: str, address: str | None, http: H, asking: Any = None) -> None:
+        self.source, self.address, self.http, self.asking = source, address, http, asking
         url = httpx.URL(source)
         tls_name = address is not None and url.scheme == "https"
         self.extensions = {"sni_hostname": url.host} if tls_name else {}
@@ -51,6 +67,7 @@ class Endpoint(Generic[H]):
         self.picked = 0  # when it was last picked (Balancer's count): of equals, the longest ago
         self.calls = 0  # calls and exchanges on it (its HTTP client is closed only without)
         self.down = False  # left out until a probe's 200
+        self.down_since = 0.0  # time.monotonic() when it went down
         self.probe_at = 0.0  # time.monotonic() of its next probe, while down
         self.probe_wait = PROBE_FIRST
         self.probing = False
@@ -80,23 +97,31 @@ class Balancer(Generic[H]):
     """The endpoints calls go to now (`endpoints`, in order) and their balance: `pick` gives
     the least loaded one not down (of equals, the one picked longest ago: with fewer calls in
     flight than endpoints, they take turns, however fast each answers); where every one is
-    down, the least loaded of all. Its lock guards the endpoints' balance and the list (calls
-    in several threads share a client)."""
+    down, the least loaded of all. The endpoints down wait for their probes in a queue by
+    time (`due`), so neither picking nor probing looks at every endpoint down on each call.
+    Its lock guards the endpoints' balance, the list, those up and the probes' queue (calls in
+    several threads share a client)."""
 
     def __init__(self, endpoints: list[Endpoint[H]]) -> None:
         self.endpoints = endpoints
+        self._up = list(endpoints)  # those not down, in order
         self._retired: list[Endpoint[H]] = []  # not yet closed
         self._lock = threading.Lock()
         self._turn = itertools.count(1)
+        # (probe_at, turn, endpoint) of the endpoints down; an entry whose endpoint is up again,
+        # retired, or given another probe_at since is passed over when it comes up
+        self._queue: list[tuple[float, int, Endpoint[H]]] = []
+        self._probing = 0  # probes in flight
+        self._tokens = float(PROBES_AT_ONCE)  # probes that may start now (PROBE_RATE refills)
+        self._filled = time.monotonic()
         self._pid = os.getpid()  # of the process whose threads probe (a fork's child has none)
 
     def pick(self, tried: Collection[Endpoint[H]]) -> Endpoint[H]:
         with self._lock:
-            eps = self.endpoints
-            n = len(eps)
-            candidates = [i for i in range(n) if eps[i] not in tried] or list(range(n))
-            up = [i for i in candidates if not eps[i].down] or candidates
-            ep = eps[min(up, key=lambda i: (eps[i].outstanding, eps[i].picked))]
+            pool = [e for e in self._up if e not in tried]
+            if not pool:
+                pool = [e for e in self.endpoints if e not in tried] or self._up or self.endpoints
+            ep = min(pool, key=lambda e: (e.outstanding, e.picked))
             ep.picked = next(self._turn)
             return ep
 
@@ -114,38 +139,75 @@ class Balancer(Generic[H]):
             ep.outstanding -= work
             ep.calls -= 1
 
-    def down(self, ep: Endpoint[H]) -> None:
-        """`ep` failed: no work goes to it (while another is up) until a probe's 200."""
+    def down(self, ep: Endpoint[H], probe_in: float = PROBE_FIRST) -> None:
+        """`ep` failed (or is new): no work goes to it (while another is up) until a probe's
+        200, the first `probe_in` seconds from now."""
         with self._lock:
-            if not ep.down:
-                ep.down, ep.probe_wait = True, PROBE_FIRST
-                ep.probe_at = time.monotonic() + PROBE_FIRST
+            if ep.down:
+                return
+            now = time.monotonic()
+            ep.down, ep.down_since, ep.probe_wait = True, now, PROBE_FIRST
+            if ep in self._up:
+                self._up.remove(ep)
+            self._queue_probe(ep, now + probe_in)
+
+    def _queue_probe(self, ep: Endpoint[H], at: float) -> None:
+        ep.probe_at = at
+        heapq.heappush(self._queue, (at, next(self._turn), ep))
 
     def due(self) -> list[Endpoint[H]]:
-        """The endpoints down whose probe is due, marked as being probed: the caller probes
-        each and reports with `probed`. None of a lone endpoint: it takes every call anyway."""
+        """The endpoints down whose probe is due, earliest first, marked as being probed: the
+        caller probes each and reports with `probed`. At most `PROBES_AT_ONCE` in flight and
+        `PROBE_RATE` a second: the others wait their turn in the queue. None of a lone
+        endpoint: it takes every call anyway."""
         now = time.monotonic()
         with self._lock:
-            if len(self.endpoints) < 2:
-                return []
             if self._pid != os.getpid():  # forked: the probes under way stayed with the parent
-                self._pid = os.getpid()
-                for ep in self.endpoints:
-                    ep.probing = False
-            due = [e for e in self.endpoints if e.down and not e.probing and e.probe_at <= now]
-            for ep in due:
+                self._forked()
+            if not self._queue or self._queue[0][0] > now or len(self.endpoints) < 2:
+                return []
+            self._tokens = min(
+                float(PROBES_AT_ONCE), self._tokens + (now - self._filled) * PROBE_RATE
+            )
+            self._filled = now
+            due: list[Endpoint[H]] = []
+            while self._queue and self._queue[0][0] <= now:
+                if self._probing >= PROBES_AT_ONCE or self._tokens < 1:
+                    break
+                at, _, ep = heapq.heappop(self._queue)
+                if not ep.down or ep.retired or ep.probing or at != ep.probe_at:
+                    continue  # up again, gone, or queued anew since
                 ep.probing = True
+                self._probing += 1
+                self._tokens -= 1
+                due.append(ep)
             return due
 
+    def _forked(self) -> None:
+        self._pid = os.getpid()
+        self._probing = 0
+        for ep in self.endpoints:
+            if ep.probing:
+                ep.probing = False
+                self._queue_probe(ep, ep.probe_at)
+
     def probed(self, ep: Endpoint[H], ready: bool) -> None:
-        """A probe of `ep` ended: up again where it answered 200, else probed again later."""
+        """A probe of `ep` ended: up again where it answered 200, else probed again later
+        (waits doubling from `PROBE_FIRST` to `PROBE_MAX`, and on to `PROBE_LONG_MAX` once
+        down `LONG_DOWN` seconds)."""
         with self._lock:
+            if not ep.probing:
+                return  # a probe of the parent's, ended in a forked child
             ep.probing = False
+            self._probing -= 1
+            now = time.monotonic()
             if ready:
                 ep.down = False
-            else:
-                ep.probe_wait = min(ep.probe_wait * 2, PROBE_MAX)
-                ep.probe_at = time.monotonic() + ep.probe_wait
+                self._up = [e for e in self.endpoints if not e.down]
+            elif not ep.retired:
+                cap = PROBE_MAX if now - ep.down_since < LONG_DOWN else PROBE_LONG_MAX
+                ep.probe_wait = min(ep.probe_wait * 2, cap)
+                self._queue_probe(ep, now + ep.probe_wait)
 
     def untried_sibling(self, ep: Endpoint[H], tried: Collection[Endpoint[H]]) -> bool:
         """Whether another address of `ep`'s name is yet to be tried by the call."""
@@ -168,6 +230,7 @@ class Balancer(Generic[H]):
             at = self.endpoints.index(block[0]) if block else len(self.endpoints)
             rest = [e for e in self.endpoints if e.source != source]
             self.endpoints = rest[:at] + new + rest[at:]
+            self._up = [e for e in self.endpoints if not e.down]
             for ep in block:
                 if ep not in new:
                     ep.retired = True

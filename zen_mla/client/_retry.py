@@ -100,17 +100,17 @@ def next_step(
 ) -> float:
     """After a failed attempt on endpoint `ep`: seconds to wait before the next one, or raise. A
     wait that would end past the call's deadline is not waited: the error is raised now. A
-    request `ep` may have read (`AnswerBrokenOff`) goes to no other; an unreachable endpoint,
-    or one that answered 503, is left out until it answers its readiness probe
-    (`Balancer.down`)."""
+    request `ep` may have read (`AnswerBrokenOff`), or that timed out there, goes to no other;
+    an endpoint whose connection failed or timed out (a connect, a read), or that answered
+    503, is left out until it answers its readiness probe (`Balancer.down`), also where the
+    call ends with the error."""
     tried.add(ep)
     n = len(bal)
     if isinstance(exc, httpx.TransportError):
-        error = _transport_error(exc, deadline, ep)
-        if isinstance(error, DeadlineExceededError):
-            raise error from exc
         bal.down(ep)
-        if isinstance(exc, AnswerBrokenOff) or attempt >= retries or len(tried) >= n:
+        error = _transport_error(exc, deadline, ep)
+        last = isinstance(error, DeadlineExceededError) or isinstance(exc, AnswerBrokenOff)
+        if last or attempt >= retries or len(tried) >= n:
             raise error from exc
         return 0.0
     if isinstance(exc, ServiceUnavailableError):

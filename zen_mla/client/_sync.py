@@ -30,7 +30,7 @@ from ._endpoints import Endpoint
 from ._names import FIRST_WAIT
 from ._resend import Resend
 from ._retry import Translated
-from ._transport import DIRECT_MIN, DeadlineTransport, read_body, sync_call
+from ._transport import DIRECT_MIN, DeadlineTransport, call_deadline, read_body
 
 __all__ = ["PrefillClient"]
 
@@ -43,10 +43,11 @@ class PrefillClient(BaseClient[httpx.Client]):
     resolves to (a Kubernetes headless Service: each ready pod), each an endpoint of its own,
     the name staying the Host header and the TLS server name; the names are looked up again
     once `resolve_every` seconds have passed, on a call, in a thread of their own (`_names`).
-    An endpoint that failed (unreachable, a 503) gets no work while another is up, until it
-    answers `GET /health/ready` with 200 (probed in the background). `token`: bearer token
-    when the service has one. `timeout`: seconds for a whole pending, retries included (an
-    httpx.Timeout: each phase's, and its longest for the whole pending). `retries`: how often
+    An endpoint that failed (unreachable, timed out, a 503) gets no work while another is up,
+    until it answers `GET /health/ready` with 200 (probed in the background). `token`: bearer
+    token when the service has one. `timeout`: seconds for a whole pending, retries included
+    (an httpx.Timeout: each phase's, and its longest for the whole pending); while the client
+    has another endpoint, a connect takes at most a quarter of what is left. `retries`: how often
     429/503 and unreachable endpoints are retried (a call that found an address of a name
     unreachable, or answering 503, goes on to another address of it as no retry); apart from
     them, a request the server never read (a kept connection it closed as the request went
@@ -54,7 +55,7 @@ class PrefillClient(BaseClient[httpx.Client]):
     answer came, never, to no endpoint. `shared_memory`: None uses the service's same-host
     regions where it can, and a call for which it refuses a region now goes over TCP; True
     requires them (the refusal is the call's error); False never uses them. With a
-    `transport` of your own, its sockets' reads wait as long as it lets them; the call's
+    `transport` of your own, its connects and reads wait as long as it lets them; the call's
     deadline is checked between them; and the client cannot see whether bytes of an answer
     came, so a request is sent again only after a 408 or a failed connect.
     """
@@ -78,13 +79,15 @@ class PrefillClient(BaseClient[httpx.Client]):
             url, token=token, timeout=timeout, retries=retries, shared_memory=shared_memory,
             uds=uds, resolve_every=resolve_every,
         )  # fmt: skip
-        self._regions_lock = threading.Lock()  # guards the endpoints' offers
 
     def _connect(self, url: httpx.URL, headers: dict[str, str]) -> httpx.Client:
         transport = self._transport or DeadlineTransport(self._uds, self._ssl_context)
         return httpx.Client(
             base_url=url, headers=headers, timeout=self._timeout, transport=transport
         )
+
+    def _asking(self) -> threading.Lock:
+        return threading.Lock()
 
     def _launch_probe(self, ep: Endpoint[httpx.Client]) -> None:
         threading.Thread(target=self._probe, args=(ep,), name="zen-mla-probe", daemon=True).start()
@@ -94,7 +97,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         ready = False
         self._balancer.begin(ep, 0)
         try:
-            with sync_call(deadline):
+            with call_deadline(deadline):
                 status = self._send(ep, READY, deadline)[0]
                 if status == 404:  # a service older than /health/ready
                     status = self._send(ep, HEALTH, deadline)[0]
@@ -136,7 +139,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         """Endpoint `i`'s same-host regions, None where not used (asked for again while the
         service starts, and after it restarted: `_offers`)."""
         deadline = self._deadline()
-        with sync_call(deadline), self._on(i, deadline) as ep:
+        with call_deadline(deadline), self._on(i, deadline) as ep:
             return self._regions_for(ep, deadline)
 
     def _regions_for(
@@ -146,7 +149,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         pending, None while a region refused for one stands (`Offer.for_calls`)."""
         if self._shared_memory is False:
             return None
-        with self._regions_lock:
+        with ep.asking:
             offer = ep.offer
             if offer is None or not offer.current():
                 status, _, body = self._send(ep, HEALTH, deadline)
@@ -155,7 +158,7 @@ class PrefillClient(BaseClient[httpx.Client]):
 
     def _refused(self, ep: Endpoint[httpx.Client]) -> None:
         """A region for a call was not to be had at the endpoint (`NoRegionError`)."""
-        with self._regions_lock:
+        with ep.asking:
             if ep.offer is not None:
                 ep.offer.refused()
 
@@ -194,7 +197,7 @@ class PrefillClient(BaseClient[httpx.Client]):
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
             request_id=request_id, out=out,
         )  # fmt: skip
-        with sync_call(pending.deadline):
+        with call_deadline(pending.deadline):
             self._refresh(pending.deadline)
             while True:
                 with pending.attempt() as ep:
@@ -259,7 +262,7 @@ class PrefillClient(BaseClient[httpx.Client]):
     def health(self, i: int = 0) -> dict[str, Any]:
         """Endpoint `i`'s /health JSON (also when it answers 503); the first by default."""
         deadline = self._deadline()
-        with sync_call(deadline), self._on(i, deadline) as ep:
+        with call_deadline(deadline), self._on(i, deadline) as ep:
             status, _, body = self._send(ep, HEALTH, deadline)
         return health_json(status, body)
 

@@ -1,7 +1,8 @@
 """The clients' transports: httpx's, with sockets that mark each send's bytes as they go and come
-(`_resend.heard`: a request is sent again only where no byte of an answer came). The blocking
-client's sockets also wait at most what the calling thread's call has left, and a large answer's
-body is read from its socket straight into place."""
+(`_resend.heard`: a request is sent again only where no byte of an answer came), and connects
+that wait at most their share of what the call has left (`Deadline.connect_timeout`). The
+blocking client's sockets also wait at most what the calling thread's call has left, and a large
+answer's body is read from its socket straight into place."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ._answers import Body
 from ._deadline import Deadline
 from ._resend import heard
 
-__all__ = ["DIRECT_MIN", "DeadlineTransport", "HeardTransport", "read_body", "sync_call"]
+__all__ = ["DIRECT_MIN", "DeadlineTransport", "HeardTransport", "call_deadline", "read_body"]
 
 # An answer this large is read from the socket straight into its buffer; a smaller one through
 # httpx. Reading past httpx leaves its connection unusable for another request (it is closed:
@@ -28,15 +29,18 @@ DIRECT_MIN = 1 << 20
 _READ_PART = 4 << 20  # bytes asked of one recv_into
 _FIN_WAIT = 0.05  # seconds, at most, for the service's end of a connection it said it closes
 
-# The calling thread's call (PrefillClient sets it for the call's length): its sockets' reads
-# and writes wait at most what the call has left.
+# The calling thread's (or task's) call, set for the call's length (`call_deadline`): its
+# connects wait at most their share of what the call has left; PrefillClient's reads and writes
+# at most what it has left.
 _CALL_DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
     "zen_mla_call_deadline", default=None
 )
 
 
 @contextlib.contextmanager
-def sync_call(deadline: Deadline) -> Iterator[None]:
+def call_deadline(deadline: Deadline) -> Iterator[None]:
+    """Within the block, the calling thread's (or asyncio task's) sockets wait as `deadline`
+    says."""
     token = _CALL_DEADLINE.set(deadline)
     try:
         yield
@@ -53,6 +57,16 @@ def _op_timeout(timeout: float | None, late: type[Exception]) -> float | None:
     if left <= 0:
         raise late("the call's timeout has passed")
     return left if timeout is None else min(timeout, left)
+
+
+def _connect_timeout(timeout: float | None) -> float | None:
+    """A connect's timeout (TCP's, TLS's handshake), cut to its share of what the calling
+    thread's (or task's) call has left (`Deadline.connect_timeout`)."""
+    deadline = _CALL_DEADLINE.get()
+    bound = timeout if deadline is None else deadline.connect_timeout(timeout)
+    if bound is not None and bound <= 0:
+        raise httpcore.ConnectTimeout("the call's timeout has passed")
+    return bound
 
 
 def _pool_options(ssl_context: Any, uds: str | None) -> dict[str, Any]:
@@ -95,7 +109,7 @@ class _DeadlineStream(httpcore.NetworkStream):
     def start_tls(
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
-        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        timeout = _connect_timeout(timeout)
         return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> Any:
@@ -114,7 +128,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
-        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        timeout = _connect_timeout(timeout)
         return _DeadlineStream(
             self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
         )
@@ -122,7 +136,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.NetworkStream:
-        timeout = _op_timeout(timeout, httpcore.ConnectTimeout)
+        timeout = _connect_timeout(timeout)
         return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
 
     def sleep(self, seconds: float) -> None:
@@ -162,6 +176,7 @@ class _HeardStream(httpcore.AsyncNetworkStream):
     async def start_tls(
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _connect_timeout(timeout)
         return _HeardStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> Any:
@@ -180,6 +195,7 @@ class _HeardBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _connect_timeout(timeout)
         return _HeardStream(
             await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
         )
@@ -187,6 +203,7 @@ class _HeardBackend(httpcore.AsyncNetworkBackend):
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.AsyncNetworkStream:
+        timeout = _connect_timeout(timeout)
         return _HeardStream(await self._backend.connect_unix_socket(path, timeout, socket_options))
 
     async def sleep(self, seconds: float) -> None:
@@ -194,8 +211,9 @@ class _HeardBackend(httpcore.AsyncNetworkBackend):
 
 
 class HeardTransport(httpx.AsyncHTTPTransport):
-    """The asyncio client's transport: httpx's, whose sockets mark each send's bytes (the
-    asyncio client bounds its calls by cancelling them, not by its sockets)."""
+    """The asyncio client's transport: httpx's, whose sockets mark each send's bytes and whose
+    connects take their share of the task's call (the asyncio client bounds its calls by
+    cancelling them, not by its sockets' reads)."""
 
     def __init__(self, uds: str | None, ssl_context: ssl.SSLContext | None = None) -> None:
         ssl_context = ssl_context or httpx.create_ssl_context()  # one a client's endpoints share
