@@ -252,7 +252,9 @@ class _Calls:
 
 def drive(args: argparse.Namespace) -> None:
     """The client's process: JSON commands on stdin (`run` n calls, `start`/`stop` calls until
-    told, `endpoints`, `healthy`, `quit`), one JSON answer a line on stdout."""
+    told, `endpoints`, `healthy`, `quit`), one JSON answer a line on stdout, each with the
+    process's CPU seconds so far (`cpu`); the first line (`hello`) has the first call's record
+    (`first`: start, seconds, outcome)."""
     import asyncio
 
     import torch
@@ -308,8 +310,10 @@ def drive(args: argparse.Namespace) -> None:
             for e in balancer().endpoints
         ]
 
-    call()  # the first call: the name looked up
-    print(json.dumps({"endpoints": endpoints()}), flush=True)
+    first = _Calls(call, want, args.timeout)
+    first.one()  # the first call: the name looked up
+    hello = {"endpoints": endpoints(), "first": first.records[0], "cpu": time.process_time()}
+    print(json.dumps(hello), flush=True)
     running: _Calls | None = None
     for line in sys.stdin:
         command = json.loads(line)
@@ -337,6 +341,7 @@ def drive(args: argparse.Namespace) -> None:
             break
         answer["stats"] = stats()
         answer["now"] = time.monotonic()
+        answer["cpu"] = time.process_time()  # the client process's, all its threads
         print(json.dumps(answer), flush=True)
     os._exit(0)  # the client's threads and loop are the process's: nothing to wait for
 
