@@ -111,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
     # its OpenMP pool from spinning on cores the workers own.
     torch.set_num_threads(1)
     from .kserve.grpc_server import GrpcListenError
-    from .server import build_server, map_large_allocations, raise_fd_limit
+    from .memory import map_large_allocations
+    from .server import build_server, raise_fd_limit
 
     map_large_allocations()
     try:

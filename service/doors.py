@@ -288,6 +288,11 @@ class GrpcDoor:
         self._size = len(raw)
         return raw
 
+    @property
+    def size(self) -> int:
+        """The message's bytes, once read (0 before)."""
+        return self._size
+
     def body_size(self, limit: int) -> int:
         """The message's size, at most `limit`."""
         n = self._size

@@ -4,7 +4,6 @@ gRPC server (`kserve.grpc_server`) runs on uvicorn's event loop beside it."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import resource
 import socket
@@ -58,24 +57,6 @@ class DrainingServer(uvicorn.Server):
             if self.state.inflight == 0 or waited > self.state.settings.drain_timeout_s:
                 self.should_exit = True
         return await super().on_tick(counter)
-
-
-# glibc's mallopt parameter: the size from which an allocation is mapped on its own
-M_MMAP_THRESHOLD = -3
-
-
-def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Allocations of `threshold` bytes and more mapped on their own (glibc's mallopt
-    M_MMAP_THRESHOLD, fixed), so memory they held goes back to the system once freed. By default
-    glibc raises the threshold to the largest such block freed (up to 32 MiB); blocks below it
-    then come from the heap and stay resident after they are freed: a gRPC message's bytes and
-    grpc's copies of them (seen: 2.8-3.4 GiB still held after six 200 MiB messages were
-    refused). Nothing where the C library has no mallopt."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 def raise_fd_limit() -> int:

@@ -39,6 +39,7 @@ from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
 
 from ..doors import Door, GrpcDoor, trusted_proxies
 from ..forms.base import Expect, Form, RequestRecord
+from ..memory import Trim
 from ..pipeline import serve
 from ..settings import Settings
 from ..state import ServiceState, readiness
@@ -178,6 +179,7 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
     proxies = trusted_proxies(s.forwarded_allow_ips)
     limit = message_limit(s)
     limits = CallLimits(state.admission, s, connections)
+    trim = Trim()
 
     def method(handle: Callable[[GrpcDoor], Awaitable[None]]) -> grpc.RpcMethodHandler:
         """`handle` as a method: the call holds its place among the calls open (refused
@@ -216,6 +218,7 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
             state.abandoned.add(task)
             task.add_done_callback(_discard_answer(state))
             raise
+        trim.after(door.size)  # its bytes are let go: the pipeline holds none past its answer
         await _send(door.context, answer)
 
     def small(route: str, kind: type[M], call: Callable[[M], Awaitable[Message]]) -> Any:
