@@ -90,7 +90,7 @@ def connection_caps(settings: Settings, fd_limit: int) -> ConnectionCaps:
     """`max_connections`, lowered so that `fd_reserve` descriptors stay for the pool, shared
     out: gRPC's part `grpc_max_connections`, at most half of it (none while gRPC is off), and
     HTTP's the rest."""
-    budget = min(settings.max_connections, max(2, fd_limit - settings.fd_reserve))
+    budget = min(settings.max_connections, max(1, fd_limit - settings.fd_reserve))
     if budget < settings.max_connections:
         log.warning(
             "max_connections lowered from %d to %d: %d descriptors allowed, %d kept for the pool",
@@ -101,8 +101,8 @@ def connection_caps(settings: Settings, fd_limit: int) -> ConnectionCaps:
         )
     if not settings.grpc_port:
         return ConnectionCaps(http=budget, grpc=0)
-    grpc = min(settings.grpc_max_connections, budget // 2)
-    return ConnectionCaps(http=budget - grpc, grpc=grpc)
+    grpc = max(1, min(settings.grpc_max_connections, budget // 2))
+    return ConnectionCaps(http=max(1, budget - grpc), grpc=grpc)
 
 
 def build_server(settings: Settings, fd_limit: int) -> DrainingServer:

@@ -91,8 +91,8 @@ class Settings(BaseSettings):
     grpc_max_connections: int = Field(
         256,
         ge=1,
-        description="of max_connections, those gRPC may hold (HTTP keeps the rest); at most half "
-        "where the fd limit lowers the cap; a connection past it is closed at once",
+        description="of max_connections (as the fd limit lowers it), those gRPC may hold, at "
+        "most half (HTTP keeps the rest); a connection past it is closed at once",
     )
     grpc_max_streams: int = Field(
         100,
