@@ -54,7 +54,7 @@ from .grpc_infer import (
     parse,
 )
 from .grpc_limits import CallLimits
-from .register import REGISTER_BYTES, registry_of
+from .register import REGISTER_BYTES, regions_of
 
 __all__ = ["SERVICE", "GrpcListenError", "MethodForm", "grpc_options", "start_grpc"]
 
@@ -141,24 +141,29 @@ def _discard_answer(state: ServiceState) -> Callable[[asyncio.Future[GrpcAnswer]
 
 class MethodForm(Form[GrpcAnswer]):
     """A method with a small request message, as a form of the one pipeline that computes
-    nothing: its message (at most `REGISTER_BYTES`) parsed as `kind` and answered by `call`."""
+    nothing: its message (at most `REGISTER_BYTES`) parsed as `kind` and answered by `call`,
+    which is given the door too (whose client the answer may be scoped to)."""
 
     computes = False
 
-    def __init__(self, route: str, kind: type[M], call: Callable[[M], Awaitable[Message]]) -> None:
+    def __init__(
+        self, route: str, kind: type[M], call: Callable[[M, Door], Awaitable[Message]]
+    ) -> None:
         self.route = route
         self.kind = kind
-        self.call: Callable[[Any], Awaitable[Message]] = call
+        self.call: Callable[[Any, Door], Awaitable[Message]] = call
         self.response: Message | None = None
+        self.door: Door | None = None
 
     def expect(self, settings: Settings, door: Door) -> Expect:
+        self.door = door
         return Expect(REGISTER_BYTES, small=True)
 
     async def decode(
         self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
     ) -> None:
-        assert isinstance(body, bytes)
-        self.response = await self.call(parse(self.kind, body))
+        assert isinstance(body, bytes) and self.door is not None
+        self.response = await self.call(parse(self.kind, body), self.door)
 
     async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
         assert self.response is not None
@@ -221,7 +226,7 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
         trim.after(door.size)  # its bytes are let go: the pipeline holds none past its answer
         await _send(door.context, answer)
 
-    def small(route: str, kind: type[M], call: Callable[[M], Awaitable[Message]]) -> Any:
+    def small(route: str, kind: type[M], call: Callable[[M, Door], Awaitable[Message]]) -> Any:
         return method(lambda door: through_pipeline(door, MethodForm(route, kind, call)))
 
     def ready() -> bool:
@@ -233,11 +238,11 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
             extensions.append("system_shared_memory")
         return pb.ServerMetadataResponse(name="zen-mla", version=__version__, extensions=extensions)
 
-    async def model_ready(msg: pb.ModelReadyRequest) -> Message:
+    async def model_ready(msg: pb.ModelReadyRequest, _: Door) -> Message:
         kr.check_model(msg.name, msg.version)
         return pb.ModelReadyResponse(ready=ready())
 
-    async def model_metadata(msg: pb.ModelMetadataRequest) -> Message:
+    async def model_metadata(msg: pb.ModelMetadataRequest, _: Door) -> Message:
         kr.check_model(msg.name, msg.version)
         meta = kr.model_metadata()
 
@@ -257,16 +262,16 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
             outputs=tensors(meta["outputs"]),
         )
 
-    async def shm_status(msg: pb.SystemSharedMemoryStatusRequest) -> Message:
+    async def shm_status(msg: pb.SystemSharedMemoryStatusRequest, door: Door) -> Message:
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in registry_of(state).status(msg.name or None):
+        for region in regions_of(state, door).status(msg.name or None):
             entry = response.regions[str(region["name"])]
             entry.name, entry.key = str(region["name"]), str(region["key"])
             entry.offset, entry.byte_size = int(region["offset"]), int(region["byte_size"])  # type: ignore[call-overload]
         return response
 
-    async def shm_unregister(msg: pb.SystemSharedMemoryUnregisterRequest) -> Message:
-        registry_of(state).unregister(msg.name or None)
+    async def shm_unregister(msg: pb.SystemSharedMemoryUnregisterRequest, door: Door) -> Message:
+        regions_of(state, door).unregister(msg.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     methods = {

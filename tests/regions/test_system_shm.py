@@ -186,8 +186,8 @@ def test_a_tenant_sees_names_and_unregisters_its_own_regions_only(key):
 
     bob.unregister("a")
     bob.unregister(None)
-    shm.unregister(None)  # as a caller no tenant names: none of a tenant's regions
-    assert shm.status(None) == []
+    shm.of(None).unregister(None)  # as a caller no tenant names: none of a tenant's regions
+    assert shm.of(None).status(None) == []
     assert alice.status(None) == mine
     assert alice.place("q", "a", 0, 64, torch.bfloat16) is alice.get("a")
     alice.unregister(None)
@@ -234,6 +234,6 @@ def test_without_tenants_every_caller_is_one_client(key):
     two.register("b", key, 4096, 4096)  # the same object: one client
     assert [r["name"] for r in two.status(None)] == ["a", "b"]
     assert two.resolve("q.shared_memory_region", "a") is one.get("a")
-    assert shm.status(None) == one.status(None)
+    assert shm.of(None).status(None) == one.status(None)
     two.unregister(None)
     assert len(shm) == 0

@@ -126,14 +126,6 @@ class SystemShmRegistry:
         """The regions `client` (a door's client, once authorized) sees and names."""
         return ClientShm(self, client if self.by_client else EVERYONE)
 
-    def status(self, name: str | None) -> list[dict[str, object]]:
-        """`of(None).status(name)`: as a caller no tenant names."""
-        return self.of(None).status(name)
-
-    def unregister(self, name: str | None) -> None:
-        """`of(None).unregister(name)`: as a caller no tenant names."""
-        self.of(None).unregister(name)
-
     def owner_of(self, inode: tuple[int, int]) -> Hashable | None:
         """The client that registered the object `inode` (None: none has)."""
         for owner, held in self._regions.items():
