@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zen_mla import UnauthorizedError
 
-__all__ = ["SHARED_TENANT", "Tenants", "read_tenants"]
+__all__ = ["SHARED_TENANT", "Tenants", "check_shared_token", "read_tenants"]
 
 #: the tenant of the shared `api_token` where tenants have tokens of their own (no tenant of a
 #: file is named so: `NAME`s are `_NAME`)
@@ -60,18 +60,35 @@ def read_tenants(path: str) -> dict[str, str]:
     return tokens
 
 
+def check_shared_token(
+    shared: str | None, tenants: dict[str, str], where: str = "the tenants file"
+) -> None:
+    """ValueError where the shared token (`api_token`) is a tenant's too (`tenants`, as
+    `read_tenants` gives them, read from `where`): its holder would be charged as that tenant.
+    The error names the setting and the tenant, never the token."""
+    name = tenants.get(shared) if shared is not None else None
+    if name is not None:
+        raise ValueError(
+            f"api_token (ZEN_MLA_API_TOKEN): expected a token of its own, got the token of "
+            f"tenant {name!r} in {where}; whoever holds it would be charged as {name!r}. Give "
+            "the shared token another value, or unset it"
+        )
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
 class Tenants:
     """The tokens that open the service and the client each names. Lookups go by the token's
-    SHA-256, so how long one takes says nothing of the tokens held."""
+    SHA-256, so how long one takes says nothing of the tokens held. ValueError where the shared
+    token is a tenant's too (`check_shared_token`)."""
 
     def __init__(self, shared: str | None, tenants: dict[str, str] | None = None) -> None:
+        check_shared_token(shared, tenants or {})
         self._by_digest: dict[bytes, str] = {_digest(t): n for t, n in (tenants or {}).items()}
         if shared is not None:
-            self._by_digest.setdefault(_digest(shared), SHARED_TENANT)
+            self._by_digest[_digest(shared)] = SHARED_TENANT
         self.named = bool(tenants)  # a client is a tenant, not a peer
         self.required = bool(self._by_digest)
 
