@@ -201,7 +201,7 @@ PARTS = ("pack", "queries", "QK^T", "softmax", "PV", "out")
 def native_parts(reps: int, batches: list[str]) -> list[list[str]]:
     """Per batch, with and without the LSE: the share of the threads' time in each part of
     the native kernel and idle (medians of `reps` calls)."""
-    from zen_mla.attention.kernels.native import blocks, native_module
+    from zen_mla.attention.kernels.native import blocks, native_isa, native_module
 
     module, why = native_module()  # imports the extension: torch.ops.zen_mla.native_attend
     assert module is not None, why
@@ -218,7 +218,19 @@ def native_parts(reps: int, batches: list[str]) -> list[list[str]]:
             seen = []
             for _ in range(reps + 1):
                 torch.ops.zen_mla.native_attend(
-                    q, k, v, q_cu, kv_cu, c.DQK**-0.5, spec.causal, out, lse, *blocks(), 0, parts
+                    q,
+                    k,
+                    v,
+                    q_cu,
+                    kv_cu,
+                    c.DQK**-0.5,
+                    spec.causal,
+                    out,
+                    lse,
+                    *blocks(),
+                    0,
+                    parts,
+                    native_isa(),
                 )
                 seen.append(parts.clone())
             p = torch.stack(seen[1:]).median(0).values
