@@ -501,7 +501,12 @@ def main() -> None:
         alone = focused(args.reps, batches, limit)
         print(f"\nOurs and its peers alone ({', '.join(FOCUSED)}, {limit.name}, interleaved)\n")
         rows = [
-            [n, m, f"{t * 1e3:.2f}", f"{_of_limit(n, med, m, limit):.2f}"]
+            [
+                n,
+                m,
+                f"{t * 1e3:.2f}",
+                f"{_of_limit(n, med, m, limit):.2f}" if m != limit.name else "1",
+            ]
             for n, med in alone.items()
             for m, t in med.items()
         ]
