@@ -72,7 +72,9 @@ def test_workspace_bytes_bounds_a_calls_peak(case):
     peak, bound = got["peak_growth"], got["workspace_bytes"]
     assert peak <= bound + PEAK_SLACK, f"peak {peak / MIB:.1f} MiB, bound {bound / MIB:.1f} MiB"
     untiled = got["untiled_bytes"]
-    assert peak >= untiled / 2, f"peak {peak / MIB:.1f} MiB, untiled {untiled / MIB:.1f} MiB"
+    # below a MiB (many_short's plan: ~6 KiB) the heap's free pages hold it: no rise to see
+    if untiled >= MIB:
+        assert peak >= untiled / 2, f"peak {peak / MIB:.1f} MiB, untiled {untiled / MIB:.1f} MiB"
 
 
 def test_workspace_bytes_of_a_padded_batch_stays_near_the_packing_floor():

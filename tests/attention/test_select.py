@@ -131,6 +131,7 @@ def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
     assert zen_mla.host_kernels()["native"] == {
         "ok": False,
         "reason": "zen-mla's native kernel is not available: it was not built",
+        "path": None,
     }
     with pytest.raises(KernelUnavailableError, match="zentorch is not installed") as info:
         zen_mla.ragged_attention(**_small(), kernel="zentorch")

@@ -305,14 +305,14 @@ class HostStatus:
                 "out": _choice(self.auto_kernel, self.reason, self.calibration),
                 "lse": _choice(self.lse_kernel, self.lse_reason, self.lse_calibration),
             },
-            "native": {
-                "ok": self.native_ok,
-                "reason": self.native_reason,
-                "path": self.native_path,
-            },
+            "native": self.native(),
             "zentorch": self.zentorch(),
             "cpu": asdict(self.cpu),
         }
+
+    def native(self) -> dict[str, Any]:
+        """The native kernel's part: `{"ok", "reason", "path"}`."""
+        return {"ok": self.native_ok, "reason": self.native_reason, "path": self.native_path}
 
     def zentorch(self) -> dict[str, Any]:
         """zentorch's part: `{"installed", "version", "ops": {"zentorch_sdpa",
@@ -333,7 +333,7 @@ class HostStatus:
             "reason": self.reason,
             "lse_kernel": self.lse_kernel,
             "lse_reason": self.lse_reason,
-            "native": {"ok": self.native_ok, "reason": self.native_reason},
+            "native": self.native(),
             "calibration": {
                 "out": self.calibration.as_dict() if self.calibration else None,
                 "lse": self.lse_calibration.as_dict() if self.lse_calibration else None,
