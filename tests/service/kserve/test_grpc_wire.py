@@ -22,6 +22,7 @@ from service.doors import peer_host
 from service.kserve.grpc_errors import CODES, grpc_error
 from service.kserve.grpc_wire import MAX_FIELDS, TYPED_FIELD, response_bytes, split_request
 from service.kserve.heads import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS
+from tests.service.protobuf_bytes import field, key, varint
 from zen_mla.errors import STATUS, BodyTooLargeError, WireFormatError
 
 
@@ -116,23 +117,6 @@ def test_the_peer_address(peer, host):
 # -- counts on the wire ----------------------------------------------------------------------
 
 
-def _key(number: int, wire: int) -> bytes:
-    return _varint(number << 3 | wire)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _len(number: int, payload: bytes) -> bytes:
-    return _key(number, 2) + _varint(len(payload)) + payload
-
-
 def _typed(datatype: str, shape: list[int], **contents: list) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name="mla_prefill")
     tensor = request.inputs.add(name="q", datatype=datatype, shape=shape)
@@ -210,8 +194,8 @@ PAST_BOUNDS = {
 def test_a_count_past_its_bound_is_refused_naming_the_field(case):
     make, message = case
     if make is None:
-        dims = b"".join(_key(3, 0) + _varint(1) for _ in range(9))
-        raw = _len(5, _len(1, b"q") + _len(2, b"BF16") + dims)
+        dims = b"".join(key(3, 0) + varint(1) for _ in range(9))
+        raw = field(5, field(1, b"q") + field(2, b"BF16") + dims)
     else:
         raw = _with(make)
     with pytest.raises(zen_mla.InvalidInputError, match=message) as info:
@@ -223,7 +207,7 @@ def test_a_count_past_its_bound_is_refused_naming_the_field(case):
 def test_a_16m_dim_shape_is_counted_not_decoded():
     """Refused from one count of its bytes: nothing of 8 bytes a dim is made (protobuf would
     make 128 MiB of int64s, a list of them more)."""
-    raw = _len(5, _len(1, b"q") + _len(2, b"BF16") + _len(3, b"\0" * 16_000_000))
+    raw = field(5, field(1, b"q") + field(2, b"BF16") + field(3, b"\0" * 16_000_000))
     tracemalloc.start()
     try:
         with pytest.raises(zen_mla.InvalidInputError, match=r"got 16000000$"):
@@ -284,14 +268,15 @@ def test_typed_contents_are_their_datatypes_and_as_many_as_the_shape(case):
 def test_typed_contents_unpacked_and_split_are_counted_as_protobuf_reads_them():
     """fp32 values one fixed32 field each, int32 values in two packed runs: both as many as
     the shape holds pass, and protobuf reads the same values."""
-    floats = b"".join(_key(6, 5) + struct.pack("<f", x) for x in (1.0, 2.0, 3.0))
-    ints = _len(2, _varint(1) + _varint(300)) + _len(2, _varint(5))
+    floats = b"".join(key(6, 5) + struct.pack("<f", x) for x in (1.0, 2.0, 3.0))
+    ints = field(2, varint(1) + varint(300)) + field(2, varint(5))
     for datatype, contents, want in (
         ("FP32", floats, [1.0, 2.0, 3.0]),
         ("INT32", ints, [1, 300, 5]),
     ):
-        raw = _len(
-            5, _len(1, b"q") + _len(2, datatype.encode()) + _len(3, _varint(3)) + _len(5, contents)
+        raw = field(
+            5,
+            field(1, b"q") + field(2, datatype.encode()) + field(3, varint(3)) + field(5, contents),
         )
         head, _ = split_request(raw, 1 << 20)
         tensor = pb.ModelInferRequest.FromString(head).inputs[0]
@@ -300,21 +285,21 @@ def test_typed_contents_unpacked_and_split_are_counted_as_protobuf_reads_them():
 
 #: nested fields cut short or of the wrong wire type: refused as a broken message (400)
 BROKEN = {
-    "input_past_end": _key(5, 2) + _varint(50) + b"\x0a\x01q",
-    "field_past_input": _len(5, b"\x0a\x09q"),
-    "varint_in_input": _len(5, b"\x18" + b"\xff" * 11),
-    "input_as_varint": _key(5, 0) + _varint(3),
-    "name_as_varint": _len(5, _key(1, 0) + _varint(1)),
-    "shape_as_fixed32": _len(5, _key(3, 5) + b"\0\0\0\0"),
-    "parameters_as_fixed64": _len(5, _key(4, 1) + b"\0" * 8),
-    "contents_as_varint": _len(5, _key(5, 0) + _varint(1)),
-    "fp32_as_varint": _len(5, _len(2, b"FP32") + _len(5, _key(6, 0) + _varint(1))),
-    "contents_past_end": _len(5, _len(2, b"FP32") + _len(5, _key(6, 2) + _varint(9) + b"\0")),
-    "group_in_contents": _len(5, _len(5, _key(6, 3))),
-    "output_as_fixed32": _key(6, 5) + b"\0\0\0\0",
-    "parameter_as_varint": _key(4, 0) + _varint(1),
-    "unpacked_past_budget": _len(
-        5, _len(2, b"FP32") + _len(5, (_key(6, 5) + b"\0\0\0\0") * (MAX_FIELDS + 1))
+    "input_past_end": key(5, 2) + varint(50) + b"\x0a\x01q",
+    "field_past_input": field(5, b"\x0a\x09q"),
+    "varint_in_input": field(5, b"\x18" + b"\xff" * 11),
+    "input_as_varint": key(5, 0) + varint(3),
+    "name_as_varint": field(5, key(1, 0) + varint(1)),
+    "shape_as_fixed32": field(5, key(3, 5) + b"\0\0\0\0"),
+    "parameters_as_fixed64": field(5, key(4, 1) + b"\0" * 8),
+    "contents_as_varint": field(5, key(5, 0) + varint(1)),
+    "fp32_as_varint": field(5, field(2, b"FP32") + field(5, key(6, 0) + varint(1))),
+    "contents_past_end": field(5, field(2, b"FP32") + field(5, key(6, 2) + varint(9) + b"\0")),
+    "group_in_contents": field(5, field(5, key(6, 3))),
+    "output_as_fixed32": key(6, 5) + b"\0\0\0\0",
+    "parameter_as_varint": key(4, 0) + varint(1),
+    "unpacked_past_budget": field(
+        5, field(2, b"FP32") + field(5, (key(6, 5) + b"\0\0\0\0") * (MAX_FIELDS + 1))
     ),
 }
 

@@ -25,6 +25,7 @@ from bench._server import free_port
 from tests.batches import BatchSpec, make_batch
 from tests.processes import rss
 from tests.service.grpc_caller import grpc_inputs
+from tests.service.protobuf_bytes import field, varint
 from tests.service.servers import Server, serve, server_fixture
 from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla import ragged_attention
@@ -67,27 +68,13 @@ def _peak(pid: int) -> int:
 # -- protobuf written by hand ------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
 def _tensor(name: bytes, datatype: bytes, shape: bytes) -> bytes:
     """An InferInputTensor whose packed shape is `shape` (varints)."""
-    return _field(1, name) + _field(2, datatype) + _field(3, shape)
+    return field(1, name) + field(2, datatype) + field(3, shape)
 
 
 def _message(*fields: bytes) -> bytes:
-    return _field(1, b"mla_prefill") + b"".join(fields)
+    return field(1, b"mla_prefill") + b"".join(fields)
 
 
 def _batch() -> tuple[torch.Tensor, ...]:
@@ -116,15 +103,15 @@ def _served_http(server: Server) -> None:
 
 
 def _shape_16m_dims() -> bytes:
-    return _message(_field(5, _tensor(b"q", b"BF16", b"\0" * 16_000_000)))
+    return _message(field(5, _tensor(b"q", b"BF16", b"\0" * 16_000_000)))
 
 
 def _parameters_1_5m_entries() -> bytes:
     """q's parameters map of 1.5M entries (keys of 6 bytes, no values): one field of the
     request, inside one of its inputs."""
-    entry = _varint(4 << 3 | 2) + _varint(8) + _varint(1 << 3 | 2) + _varint(6)
+    entry = varint(4 << 3 | 2) + varint(8) + varint(1 << 3 | 2) + varint(6)
     params = b"".join(entry + b"%06x" % i for i in range(1_500_000))
-    return _message(_field(5, _field(1, b"q") + _field(2, b"BF16") + params))
+    return _message(field(5, field(1, b"q") + field(2, b"BF16") + params))
 
 
 #: how each message is made (not at collection), and what its refusal says
