@@ -149,7 +149,7 @@ def test_the_entry_point_refuses_what_would_read_or_write_out_of_bounds(change, 
     with pytest.raises(RuntimeError, match=says):
         torch.ops.zen_mla.native_attend(
             q, k, v, args["q_cu"], args["kv_cu"], 192**-0.5, True, args["out"], args["lse"],
-            128, args["bn"],
+            128, args["bn"], 0, None, native.native_isa(),
         )  # fmt: skip
 
 

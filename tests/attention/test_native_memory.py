@@ -116,7 +116,7 @@ def test_heads_packed_a_group_at_a_time_give_the_same_answer():
         lse = torch.zeros(7, q.shape[0])
         torch.ops.zen_mla.native_attend(
             q, k, v, q_cu.long(), kv_cu, 70**-0.5, True, out, lse,
-            *native.blocks(), budget,
+            *native.blocks(), budget, None, native.native_isa(),
         )  # fmt: skip
         got.append((out, lse))
     for out, lse in got[1:]:

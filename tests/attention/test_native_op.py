@@ -26,12 +26,16 @@ SCALE = 192**-0.5
 def _args(causal: bool, with_lse: bool) -> tuple[object, ...]:
     """The operator's positional arguments over SPEC: q [25, 2, 192], k [32, 2, 192], v
     [32, 2, 128] bf16, the cu_seq_lens [3] int64, scale, causal, out [25, 2, 128] bf16 and lse
-    [2, 25] fp32 (or None), and this CPU's blocks."""
+    [2, 25] fp32 (or None), this CPU's blocks, no packing budget, no parts and the path the
+    test runs on."""
     q, k, v, q_cu, kv_cu = make_batch(SPEC, HEADS, torch.bfloat16, seed=7)
     assert kv_cu is not None
     out = torch.zeros(q.shape[0], HEADS[0], HEADS[2], dtype=torch.bfloat16)
     lse = torch.zeros(HEADS[0], q.shape[0]) if with_lse else None
-    return (q, k, v, q_cu.long(), kv_cu, SCALE, causal, out, lse, *native.blocks())
+    return (
+        q, k, v, q_cu.long(), kv_cu, SCALE, causal, out, lse, *native.blocks(), 0, None,
+        native.native_isa(),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,8 @@ def test_parts_receives_the_time_of_each_part(op):
     """`parts` (float64 [8]): the seconds of each of the kernel's six parts summed over its
     threads, then its wall time and the threads it used (bench/kernel.py reads them)."""
     parts = torch.zeros(8, dtype=torch.float64)
-    op(*_args(True, True), 0, parts)
+    args = _args(True, True)
+    op(*args[:-3], 0, parts, args[-1])
     assert (parts[:6] >= 0).all() and parts[6] > 0
     assert 1 <= parts[7] <= torch.get_num_threads()
 
@@ -102,19 +107,22 @@ def attend(
     kv_cu: torch.Tensor,
     bm: int,
     bn: int,
+    isa: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twice out [Tq, H, Dv] bf16, and lse [H, Tq] fp32, through the operator, out and lse
     allocated here: a graph that torch.compile must capture whole."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    torch.ops.zen_mla.native_attend(q, k, v, q_cu, kv_cu, SCALE, True, out, lse, bm, bn)
+    torch.ops.zen_mla.native_attend(
+        q, k, v, q_cu, kv_cu, SCALE, True, out, lse, bm, bn, 0, None, isa
+    )
     return out * 2, lse
 
 
 def test_compiled_in_one_graph_equals_eager(op):
     """torch.compile(fullgraph=True) with inductor: no graph break at the operator, and the
     same out and lse, bitwise, as the eager call."""
-    inputs = (*_args(True, True)[:5], *native.blocks())
+    inputs = (*_args(True, True)[:5], *native.blocks(), native.native_isa())
     want = attend(*inputs)
     got = torch.compile(attend, fullgraph=True, dynamic=False)(*inputs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
