@@ -49,11 +49,14 @@ FP32_MATMUL = "fp32 matmul 2048^3"
 @dataclass(frozen=True)
 class Limit:
     """What the kernel's products can reach on this host: timed beside every method, its rate
-    the denominator of their "of the limit"."""
+    the denominator of their "of the limit". `fp32`: the limit of fp32 products (no bf16
+    arithmetic used); `beside`: an fp32 matmul timed beside an FMA peak, for reference."""
 
     name: str
     flops: float
     run: Callable[[], object]
+    fp32: bool
+    beside: Callable[[], object] | None = None
 
 
 def _matmul(n: int, dtype: torch.dtype) -> Callable[[], object]:
@@ -73,15 +76,18 @@ def host_limit(status: dict[str, Any]) -> Limit:
 
     cpu = status["cpu"]
     if (cpu["avx512_bf16"] or cpu["amx_bf16"]) and native_isa() != "avx2":
-        return Limit("bf16 matmul 4096^3", 2.0 * 4096**3, _matmul(4096, torch.bfloat16))
+        return Limit("bf16 matmul 4096^3", 2.0 * 4096**3, _matmul(4096, torch.bfloat16), fp32=False)
+    matmul = _matmul(2048, torch.float32)
     module = native_module()[0]
     if module is None:
-        return Limit(FP32_MATMUL, 2.0 * 2048**3, _matmul(2048, torch.float32))
+        return Limit(FP32_MATMUL, 2.0 * 2048**3, matmul, fp32=True)
     threads = torch.get_num_threads()
     return Limit(
         f"fp32 FMA peak, {threads} threads",
         192.0 * FMA_ROUNDS * threads,
         lambda: module.fma_peak(FMA_ROUNDS),
+        fp32=True,
+        beside=matmul,
     )
 
 
@@ -119,13 +125,10 @@ def methods(
     fns["ours lse reference"] = ours("reference", lse=True)
     if not _sglang.available():
         fns[SGLANG] = _sglang.extend_attention(*args, causal=causal, scale=scale)
-    if limit.name != FP32_MATMUL and "bf16" not in limit.name:
-        fns[FP32_MATMUL] = _FP32_MATMUL
+    if limit.beside is not None:
+        fns[FP32_MATMUL] = limit.beside
     fns[limit.name] = limit.run
     return fns
-
-
-_FP32_MATMUL = _matmul(2048, torch.float32)
 
 
 def peer_agreement(spec: c.RefBatch) -> float | None:
@@ -495,7 +498,7 @@ def main() -> None:
         header = ["batch", "LSE", "ms", *PARTS, "idle"]
         print(c.table(header, native_parts(args.reps, batches)))
     cpu = status["cpu"]
-    fp32 = "bf16" not in limit.name
+    fp32 = limit.fp32
     targets = AVX2_TARGETS if fp32 else AMX_TARGETS if cpu["amx_bf16"] else None
     if targets is not None and status["native"]["ok"]:
         alone = focused(args.reps, batches, limit)
