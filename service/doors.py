@@ -30,6 +30,7 @@ from .body import Receive
 from .tenants import Tenants
 
 __all__ = [
+    "COPIES",
     "CallDoor",
     "Door",
     "GrpcDoor",
@@ -38,6 +39,12 @@ __all__ = [
     "peer_address",
     "trusted_proxies",
 ]
+
+#: the copies of one gRPC message the process holds while grpc reads it: grpc core's buffers,
+#: then a bytearray and bytes of them in grpc's Python layer (six 200 MiB messages peaked at
+#: +602 MiB with one of them charged); once read, the message and its copy into the workers'
+#: buffer, until the message is let go after decoding (`GrpcDoor.kept`)
+COPIES = 3
 
 
 class Door(Protocol):
@@ -66,6 +73,10 @@ class Door(Protocol):
         """The most bytes reading the request may take in, for a body of at most `limit`:
         `limit` where the door's reader stops there; more where its transport reads a whole
         message up to a limit of its own, which admission holds for it before it is read."""
+
+    def kept(self, nbytes: int) -> int:
+        """What a request of `nbytes` read whole (`whole`) holds once read: charged until its
+        inputs are let go."""
 
     def arrived(self) -> bytes | None:
         """The bytes, where they are in already; None: to be read from `receive`."""
@@ -131,6 +142,9 @@ class HttpDoor:
         """`limit`: the one body reader stops there."""
         return limit
 
+    def kept(self, nbytes: int) -> int:
+        return nbytes
+
     def arrived(self) -> None:
         """None: the body is still to come, by `receive`."""
         return None
@@ -190,6 +204,9 @@ class CallDoor:
     def most(self, limit: int) -> int:
         """`limit`: the frame is in already, its size known."""
         return limit
+
+    def kept(self, nbytes: int) -> int:
+        return nbytes
 
     def arrived(self) -> bytes:
         """The frame's body: in already."""
@@ -301,9 +318,13 @@ class GrpcDoor:
         return n
 
     def most(self, limit: int) -> int:
-        """The transport's message limit where it is above `limit`: grpc reads a message whole,
-        up to one limit for every method, before the service sees its size."""
-        return max(limit, self.limit)
+        """`COPIES` times the transport's message limit where it is above `limit`: grpc reads a
+        message whole, up to one limit for every method, before the service sees its size."""
+        return COPIES * max(limit, self.limit)
+
+    def kept(self, nbytes: int) -> int:
+        """Twice the message: it and its copy into the workers' buffer, while it is decoded."""
+        return 2 * nbytes
 
     def arrived(self) -> None:
         """None: the message is still to come, by `read`."""

@@ -136,7 +136,7 @@ async def _read(
             door.read, ticket, deadline_at=deadline_at, deadline_s=s.deadline_s
         )
         n = ticket.got = door.body_size(expect.limit)
-        ticket.trim(n)
+        ticket.trim(door.kept(n))
         ticket.uploaded()
         _arrived(record, n)
         return message

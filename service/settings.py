@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         description="gRPC calls open at once, shared between clients as the queue is; a call "
         "past its client's share is RESOURCE_EXHAUSTED before its message is read",
     )
+    grpc_max_message_bytes: int = Field(
+        256 << 20,
+        gt=0,
+        description="a gRPC message's most bytes (also at most max_body_bytes and a third of "
+        "max_inflight_bytes): grpc reads a message whole, held three times over, before its "
+        "size is known, so every call that reads one is charged three times this first",
+    )
     grpc_max_resets: int = Field(
         100,
         ge=1,

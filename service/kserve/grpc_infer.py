@@ -28,7 +28,7 @@ from zen_mla.wire.dtypes import BY_TORCH
 
 from ..answer import answer_metadata
 from ..body import SMALL_BYTES
-from ..doors import Door
+from ..doors import COPIES, Door
 from ..forms.base import Expect, Form, RequestRecord, Work
 from ..settings import Settings
 from ..state import ServiceState
@@ -80,7 +80,15 @@ def parse(kind: type[M], raw: bytes) -> M:
 
 
 def message_limit(settings: Settings) -> int:
-    return min(settings.max_body_bytes, GRPC_MAX_MESSAGE)
+    """The most bytes grpc's transport reads of any method's message: `grpc_max_message_bytes`,
+    within the body limit, and small enough that a call charged `COPIES` times it fits the
+    budget."""
+    return min(
+        settings.grpc_max_message_bytes,
+        settings.max_body_bytes,
+        settings.max_inflight_bytes // COPIES,
+        GRPC_MAX_MESSAGE,
+    )
 
 
 def _value(name: str, p: pb.InferParameter) -> Any:

@@ -1,26 +1,26 @@
-"""The Open Inference Protocol over gRPC: KServe v2's `inference.GRPCInferenceService`, served
-by grpc.aio on the service's event loop, on its own port (`grpc_port`).
+"""The Open Inference Protocol over gRPC: KServe v2's `inference.GRPCInferenceService`, served by
+grpc.aio on the service's event loop, on its own port (`grpc_port`).
 
 Every method is registered as a stream of requests, so the service sees the call before its
 message and reads it only when it chooses. Each call first takes its client's place among the
 calls open and counts on its connection (`grpc_limits`). `ServerLive`, `ServerReady` and
-`ServerMetadata`, whose requests have no fields, are answered without reading their message.
-The others go through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`): the token, then
-admission, with the most grpc may read of a message (its one limit for every method) charged
-to the caller before the message is asked for, shares, deadline, queue, metrics and log line;
-`ModelInfer` computes, `SystemSharedMemoryRegister` registers, and the small ones
-(`MethodForm`: model readiness and metadata, shared memory status and unregistration) answer
-from a message of at most `REGISTER_BYTES`. Each writes its one response itself, its bytes
-charged to the caller until the call ends (as an HTTP answer's). Errors are the HTTP ones as
-gRPC statuses (`grpc_errors`). Methods not served (streaming, model repository, CUDA shared
-memory, statistics, trace and log settings) answer UNIMPLEMENTED.
+`ServerMetadata`, whose requests have no fields, are answered without reading their message. The
+others go through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`): the token, then
+admission, with what grpc may hold to read a message (three copies of its one limit for every
+method, `doors.COPIES`) charged to the caller before the message is asked for, shares, deadline,
+queue, metrics and log line; `ModelInfer` computes, `SystemSharedMemoryRegister` registers, and
+the small ones (`MethodForm`: model readiness and metadata, shared memory status and
+unregistration) answer from a message of at most `REGISTER_BYTES`. Each writes its one response
+itself, its bytes charged to the caller until the call ends (as an HTTP answer's). Errors are
+the HTTP ones as gRPC statuses (`grpc_errors`). Methods not served (streaming, model repository,
+CUDA shared memory, statistics, trace and log settings) answer UNIMPLEMENTED.
 
 grpc's transport enforces the limits a request's head and a connection have on HTTP: the message
-limit (`max_body_bytes`, refused before it is read: RESOURCE_EXHAUSTED; one limit for every
-method, as grpc's server takes none per method, hence the charge above), metadata size, the time
-to complete a connection's handshake, the bytes a stream takes in before its message is asked
-for (HTTP/2's initial window), streams per connection (`grpc_max_streams`, counted until grpc
-has let go of a stream, so a reset stream holds its place until then) and open connections
+limit (`grpc_infer.message_limit`, refused before it is read: RESOURCE_EXHAUSTED; one limit for
+every method, as grpc's server takes none per method, hence the charge above), metadata size,
+the time to complete a connection's handshake, the bytes a stream takes in before its message is
+asked for (HTTP/2's initial window), streams per connection (`grpc_max_streams`, counted until
+grpc has let go of a stream, so a reset stream holds its place until then) and open connections
 (gRPC's part of the one connection budget, `server.connection_caps`); a connection idle that
 long is closed, and any after `CONNECTION_AGE_S` (clients reconnect by themselves)."""
 
