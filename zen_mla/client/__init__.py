@@ -1,6 +1,6 @@
 """Clients of the zen-mla service, on httpx: `PrefillClient` and `AsyncPrefillClient`.
 
-    with PrefillClient("http://127.0.0.1:8000") as client:
+    with PrefillClient("http://cpu-node:8000") as client:  # none given: zen_mla.envs.DEFAULT_URL
         out, lse = client.prefill(q, k, v, q_cu_seq_lens, return_lse=True)
 
 `prefill` takes and returns what `zen_mla.ragged_attention` does; tensors on another device

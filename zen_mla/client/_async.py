@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import torch
 
+from ..envs import DEFAULT_URL
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
@@ -63,7 +64,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
 
     def __init__(
         self,
-        url: str | Sequence[str] = "http://127.0.0.1:8000",
+        url: str | Sequence[str] = DEFAULT_URL,
         *,
         token: str | None = None,
         uds: str | None = None,

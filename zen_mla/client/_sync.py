@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import torch
 
+from ..envs import DEFAULT_URL
 from ..errors import SharedMemoryUnavailableError
 from ..regions.client import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
@@ -38,7 +39,8 @@ __all__ = ["PrefillClient"]
 class PrefillClient(BaseClient[httpx.Client]):
     """Blocking client; keep-alive connections, reused across calls and threads.
 
-    `url`: the service's base URL, or several (requests go to the least loaded); with `uds=`,
+    `url`: the service's base URL (default `DEFAULT_URL`, where `zen-mla serve` listens unless
+    told otherwise), or several (requests go to the least loaded); with `uds=`,
     the host part is only a name. A URL whose host is a name stands for every address the name
     resolves to (a Kubernetes headless Service: each ready pod), each an endpoint of its own,
     the name staying the Host header and the TLS server name; the names are looked up again
@@ -62,7 +64,7 @@ class PrefillClient(BaseClient[httpx.Client]):
 
     def __init__(
         self,
-        url: str | Sequence[str] = "http://127.0.0.1:8000",
+        url: str | Sequence[str] = DEFAULT_URL,
         *,
         token: str | None = None,
         uds: str | None = None,
