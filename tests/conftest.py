@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from zen_mla.attention.select import host_facts
+from zen_mla.attention.probes import host_facts
 
 #: fixtures that start worker processes: a test that uses one is slow (tests/service/conftest.py
 #: marks the tests that start servers)

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from tests.reference import assert_close_to_reference
-from zen_mla.attention import calibrate, select
+from zen_mla.attention import auto, calibrate, select
 from zen_mla.attention.kernels import KERNELS, ReferenceKernel, TorchFlashKernel
+from zen_mla.attention.status import host_kernels, host_status
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_PAIR = (TorchFlashKernel, ReferenceKernel)
@@ -442,26 +443,26 @@ def test_auto_still_resolves_whatever_is_planted(
     """host_status() and select_kernel("auto") answer (no exception for /health to report as
     "failed"), in bounded time, a kernel of the registry; where several kernels suit "auto"
     here, the calibration behind it was measured, not taken from the plant."""
-    monkeypatch.setattr(select, "_CALIBRATIONS", {})
+    monkeypatch.setattr(auto, "_CALIBRATIONS", {})
     path = cache_dir / "calibration.json"
     if plant in FILE_PLANTS:
         FILE_PLANTS[plant][0](path)
     else:
-        bounded(select.host_status)  # this build's entries, then every figure zeroed
+        bounded(host_status)  # this build's entries, then every figure zeroed
         kept = json.loads(path.read_text())
         for entry in kept.values():
             for times in entry["seconds"].values():
                 times.update(dict.fromkeys(times, 0))
         path.write_text(json.dumps(kept))
-        monkeypatch.setattr(select, "_CALIBRATIONS", {})
-    status = bounded(select.host_status)
+        monkeypatch.setattr(auto, "_CALIBRATIONS", {})
+    status = bounded(host_status)
     assert status.auto_kernel in KERNELS and status.lse_kernel in KERNELS
     for calibration in (status.calibration, status.lse_calibration):
         if calibration is not None:  # None where one kernel suits "auto" here
             assert not calibration.cached
     kernel = bounded(lambda: select.select_kernel("auto", torch.bfloat16, return_lse=False))
     assert kernel.name == status.auto_kernel
-    assert bounded(select.host_kernels)["auto"]["out"]["kernel"] == status.auto_kernel
+    assert bounded(host_kernels)["auto"]["out"]["kernel"] == status.auto_kernel
 
 
 #: stuck "starting" (a FIFO) and "failed" for good (RecursionError, ZeroDivisionError) before
@@ -486,8 +487,8 @@ def test_a_service_started_on_a_planted_cache_is_ok_and_answers_right(
     if plant == "zero seconds":
         monkeypatch.setenv("ZEN_MLA_CACHE_DIR", str(cache))
         monkeypatch.delenv("ZEN_MLA_CALIBRATE", raising=False)
-        monkeypatch.setattr(select, "_CALIBRATIONS", {})
-        if select.host_status().calibration is None:
+        monkeypatch.setattr(auto, "_CALIBRATIONS", {})
+        if host_status().calibration is None:
             pytest.skip('one kernel suits "auto" here: no calibration is read')
         kept = json.loads(path.read_text())
         for entry in kept.values():

@@ -14,7 +14,7 @@ import zen_mla
 from tests.attention.kernels_ran import kernels_ran
 from tests.batches import BatchSpec, make_batch
 from tests.reference import attention_fp64
-from zen_mla.attention import select, validate
+from zen_mla.attention import probes, validate
 from zen_mla.attention.kernels import native
 
 #: each test once per path of the kernel this CPU runs (tests/attention/conftest.py)
@@ -94,7 +94,7 @@ def test_agrees_with_the_other_kernels():
     spec = BatchSpec([128, 33, 512], [128, 300, 512])
     got = {}
     for kernel in ("native", "torch", "zentorch"):
-        if kernel == "zentorch" and select.host_facts().zentorch_failure:
+        if kernel == "zentorch" and probes.host_facts().zentorch_failure:
             continue
         got[kernel] = _run(spec, True, kernel=kernel)[1:]
     for kernel, (out, lse) in got.items():
@@ -267,11 +267,11 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, paths, wa
     monkeypatch.setenv(native.ISA_VARIABLE, wanted)
     native.native_module.cache_clear()
     native.native_isa.cache_clear()
-    select._native_probe.cache_clear()
+    probes._native_probe.cache_clear()
     try:
-        probed = select.probe_host_facts()
+        probed = probes.probe_host_facts()
         assert says in probed.native_failure
-        monkeypatch.setattr(select, "host_facts", lambda: probed)
+        monkeypatch.setattr(probes, "host_facts", lambda: probed)
         status = zen_mla.host_kernels()
         assert status["native"] == {"ok": False, "reason": probed.native_failure, "path": None}
         assert (
@@ -284,4 +284,4 @@ def test_why_it_is_unavailable(monkeypatch, tmp_path, module, unbuilt, paths, wa
     finally:
         native.native_module.cache_clear()
         native.native_isa.cache_clear()
-        select._native_probe.cache_clear()
+        probes._native_probe.cache_clear()

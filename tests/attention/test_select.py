@@ -1,6 +1,7 @@
-"""Kernel selection (zen_mla.attention.select): what this host offers, what its probes reject,
-each kernel's own word on whether it runs here, "auto" as the first that suits it, and the
-kernel name a caller asks for, refused with a named error when unknown or absent."""
+"""Kernel selection (zen_mla.attention's probes, auto, select and status): what this host
+offers, what its probes reject, each kernel's own word on whether it runs here, "auto" as the
+first that suits it, and the kernel name a caller asks for, refused with a named error when
+unknown or absent."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import zen_mla
 from tests.attention.this_host import native_runs, zentorch_runs
 from tests.reference import attention_fp64
 from zen_mla import InvalidInputError, KernelUnavailableError
-from zen_mla.attention import select
+from zen_mla.attention import probes
+from zen_mla.attention.auto import auto_choice
 from zen_mla.attention.batch import validate
 from zen_mla.attention.driver import attend
 from zen_mla.attention.kernels import KERNELS, TorchFlashKernel, ZentorchKernel
 from zen_mla.attention.kernels.zentorch import zentorch_op
+from zen_mla.attention.status import host_status
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -98,9 +101,9 @@ def test_probe_rejects_an_op_that_gives_wrong_numbers():
     def raising(*args, **kwargs):
         raise RuntimeError("Illegal instruction")
 
-    assert select.probe_op(zentorch_op()) is None
-    assert "disagrees" in select.probe_op(broken)
-    assert "raised on this CPU" in select.probe_op(raising)
+    assert probes.probe_op(zentorch_op()) is None
+    assert "disagrees" in probes.probe_op(broken)
+    assert "raised on this CPU" in probes.probe_op(raising)
 
 
 def test_an_unknown_kernel_is_named():
@@ -115,14 +118,14 @@ def test_an_unknown_kernel_is_named():
 
 def test_forcing_zentorch_where_absent_is_a_clear_error(monkeypatch):
     absent = dataclasses.replace(
-        select.host_facts(),
+        probes.host_facts(),
         zentorch_installed=False,
         zentorch_version=None,
         zentorch_failure="zentorch is not installed",
         zentorch_lse_failure="zentorch is not installed",
         native_failure="zen-mla's native kernel is not available: it was not built",
     )
-    monkeypatch.setattr(select, "host_facts", lambda: absent)
+    monkeypatch.setattr(probes, "host_facts", lambda: absent)
     assert zen_mla.host_kernels()["auto"]["out"]["kernel"] == "torch"
     assert zen_mla.host_kernels()["auto"]["out"]["reason"] == (
         "zen-mla's native kernel is not available: it was not built; zentorch is not installed; "
@@ -153,7 +156,7 @@ def _lse_close_to_fp64(kernel) -> bool:
 def test_each_kernel_says_whether_it_runs_here(name):
     """Each kernel's reasons agree with this host's facts, found without zen_mla's probes."""
     assert set(RUNS_HERE) == set(KERNELS), "a new kernel needs its fact here"
-    kernel, host = KERNELS[name], select.host_facts()
+    kernel, host = KERNELS[name], probes.host_facts()
     reason = kernel.unavailable_reason(host)
     if not RUNS_HERE[name]():
         assert isinstance(reason, str) and reason, f"{name} does not run here, yet gives no reason"
@@ -172,14 +175,14 @@ def test_each_kernel_says_whether_it_runs_here(name):
 def test_zentorch_not_installed_is_the_reason_where_it_is_absent():
     if importlib.util.find_spec("zentorch") is not None:
         pytest.skip("zentorch is installed here")
-    assert "not installed" in (ZentorchKernel.unavailable_reason(select.host_facts()) or "")
+    assert "not installed" in (ZentorchKernel.unavailable_reason(probes.host_facts()) or "")
 
 
 def _suitable(dtype: torch.dtype, return_lse: bool) -> list[str]:
     """The kernels "auto" chooses among, by this host's facts found without zen_mla's probes."""
     runs = [name for name in AUTO_KERNELS if RUNS_HERE[name]() and dtype in KERNELS[name].dtypes]
     if return_lse:
-        host = select.host_facts()
+        host = probes.host_facts()
         runs = [name for name in runs if KERNELS[name].lse_unavailable_reason(host) is None]
     return runs
 
@@ -192,7 +195,7 @@ def test_auto_takes_the_kernel_measured_fastest_of_those_that_suit_it(dtype, ret
     choice = zen_mla.kernel_choice("auto", dtype, return_lse=return_lse)
     assert choice.out in suitable and choice.lse == (choice.out if return_lse else None)
     if len(suitable) > 1:
-        calibration = select._auto(select.host_facts(), dtype, lse=return_lse).calibration
+        calibration = auto_choice(probes.host_facts(), dtype, lse=return_lse).calibration
         assert calibration is not None and set(calibration.seconds) == set(suitable)
         assert choice.out == calibration.winner
         relative = calibration.relative
@@ -203,7 +206,7 @@ def test_auto_takes_the_kernel_measured_fastest_of_those_that_suit_it(dtype, ret
 def test_with_calibration_off_auto_takes_the_first_in_order(monkeypatch, return_lse):
     monkeypatch.setenv("ZEN_MLA_CALIBRATE", "0")
     suitable = _suitable(torch.bfloat16, return_lse)
-    auto = select._auto(select.host_facts(), torch.bfloat16, lse=return_lse)
+    auto = auto_choice(probes.host_facts(), torch.bfloat16, lse=return_lse)
     assert auto.kernel.name == suitable[0] and auto.calibration is None
     if len(suitable) > 1:
         assert auto.reason.endswith("first in order of preference (ZEN_MLA_CALIBRATE is off)")
@@ -214,7 +217,7 @@ def test_the_status_says_which_kernel_won_and_by_how_much():
     calibration `zentorch_status()` reports; the kernels before the first suitable one are
     named with why they were passed over."""
     status = zen_mla.host_kernels()
-    host = select.host_facts()
+    host = probes.host_facts()
     suitable = _suitable(torch.bfloat16, False)
     first = KERNELS[suitable[0]]
     passed_over = [
@@ -223,7 +226,7 @@ def test_the_status_says_which_kernel_won_and_by_how_much():
     ]
     chosen = KERNELS[status["auto"]["out"]["kernel"]]
     assert status["auto"]["out"]["reason"].startswith("; ".join([*passed_over, chosen.auto_reason]))
-    calibration = select.host_status().calibration
+    calibration = host_status().calibration
     if len(suitable) == 1:
         assert calibration is None and status["auto"]["out"]["calibration"] is None
         return
@@ -241,7 +244,7 @@ def test_the_status_says_which_kernel_won_and_by_how_much():
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", KERNELS)
 def test_a_forced_kernel_runs_or_says_its_own_reason(name, dtype):
-    kernel, host = KERNELS[name], select.host_facts()
+    kernel, host = KERNELS[name], probes.host_facts()
     reason = kernel.unavailable_reason(host)
     declines_dtype = dtype not in kernel.dtypes
     if reason is None and not declines_dtype:

@@ -9,8 +9,9 @@ import torch
 import zen_mla
 from tests.attention.kernels_ran import kernels_ran
 from tests.reference import assert_close_to_reference, attention_fp64
-from zen_mla.attention import select
+from zen_mla.attention import probes
 from zen_mla.attention.kernels import zentorch as zentorch_kernel
+from zen_mla.attention.status import host_status
 
 pytestmark = pytest.mark.zentorch
 
@@ -31,7 +32,7 @@ def _batch(q_lens, kv_lens, heads=MLA, dtype=torch.bfloat16, seed=0):
 def test_the_probe_passes_here_and_auto_lse_runs_zentorch_where_it_won():
     status = zen_mla.host_kernels()
     lse = status["auto"]["lse"]
-    if not select.host_status().sdpa_lse_ok:
+    if not host_status().sdpa_lse_ok:
         pytest.skip(f"zentorch's LSE route failed its probe here: {lse['reason']}")
     assert status["zentorch"]["ops"]["zentorch_sdpa_lse"]
     assert zen_mla.kernel_choice("zentorch", return_lse=True).lse == "zentorch"
@@ -73,7 +74,7 @@ def test_the_probe_judges_the_ops_default_second_return_by_what_it_holds(monkeyp
 
     holds_the_lse = _default_second_return_is_the_lse()
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", default_call)
-    verdict = select.probe_lse()
+    verdict = probes.probe_lse()
     if holds_the_lse:
         assert verdict is None
     else:
@@ -85,7 +86,7 @@ def test_the_probe_rejects_a_route_that_raises(monkeypatch):
         raise RuntimeError("sdpa_flash_cpu: unsupported")
 
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", raising)
-    assert "raised" in select.probe_lse()
+    assert "raised" in probes.probe_lse()
 
 
 def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
@@ -96,13 +97,13 @@ def test_the_probe_rejects_an_lse_off_by_more_than_1e_3(monkeypatch):
         return out, lse + 2e-3
 
     monkeypatch.setattr(zentorch_kernel, "zentorch_sdpa_with_lse", off)
-    assert "disagrees with fp64" in select.probe_lse()
+    assert "disagrees with fp64" in probes.probe_lse()
 
 
 def test_where_the_probe_fails_lse_requests_run_on_torch_and_say_so(monkeypatch):
-    monkeypatch.setattr(select, "probe_lse", lambda: "the LSE was off by 3")
-    probed = select.probe_host_facts()
-    monkeypatch.setattr(select, "host_facts", lambda: probed)
+    monkeypatch.setattr(probes, "probe_lse", lambda: "the LSE was off by 3")
+    probed = probes.probe_host_facts()
+    monkeypatch.setattr(probes, "host_facts", lambda: probed)
     status = zen_mla.host_kernels()
     assert not status["zentorch"]["ops"]["zentorch_sdpa_lse"]
     fallback = status["auto"]["lse"]["kernel"]  # of native and torch, the one measured faster

@@ -3,7 +3,10 @@
 batch.py    the varlen batch and its rules (RaggedBatch, validate)
 driver.py   a validated batch through one kernel (attend)
 host.py     this host's facts, as the kernels judge whether they can run (CpuFacts, HostFacts)
-select.py   what this host offers and which kernel runs (probes, "auto", KernelChoice)
+probes.py   the start-up probes that find those facts, once per process (host_facts)
+auto.py     what "auto" takes here, and why (the calibration among the kernels that suit it)
+select.py   the kernel a request naming one gets (select_kernel, KernelChoice)
+status.py   what this host reports of its kernels (HostStatus, host_kernels)
 kernels/    one file per kernel
 merge.py    merging attention over parts of the keys by their LSE (vLLM's merge_attn_states)
 """
@@ -16,15 +19,8 @@ import torch
 
 from .batch import RaggedBatch, validate
 from .driver import attend
-from .select import (
-    HostStatus,
-    KernelChoice,
-    host_kernels,
-    host_status,
-    kernel_choice,
-    select_kernel,
-    zentorch_status,
-)
+from .select import KernelChoice, kernel_choice, select_kernel
+from .status import HostStatus, host_kernels, host_status, zentorch_status
 
 __all__ = [
     "HostStatus",

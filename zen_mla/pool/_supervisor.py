@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..attention.batch import RaggedBatch
-from ..attention.select import host_status
+from ..attention.status import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._direct import DirectRun

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..attention.select import host_status, kernel_choice
+from ..attention.select import kernel_choice
+from ..attention.status import host_status
 from ..copying import copy_into
 from ..wire import PrefillOptions
 from .context import CheckedPrefiller, PrefillOutput, RaggedTensors, inline
