@@ -66,6 +66,12 @@ class KernelChoice:
     out: str
     lse: str | None
 
+    @classmethod
+    def of(cls, kernel: type[AttentionKernel], *, return_lse: bool) -> KernelChoice:
+        """`kernel` computes `out`, and `lse` where `return_lse` asks for it (one kernel computes
+        both, from one softmax: `select_kernel`'s answer)."""
+        return cls(kernel.name, kernel.name if return_lse else None)
+
 
 def kernel_choice(
     kernel: str = "auto", dtype: torch.dtype = torch.bfloat16, *, return_lse: bool = False
@@ -73,4 +79,4 @@ def kernel_choice(
     """The kernels `ragged_attention(..., kernel=kernel, return_lse=return_lse)` runs for
     inputs of `dtype` on this host; raises as `ragged_attention` would."""
     chosen = select_kernel(kernel, dtype, return_lse=return_lse)
-    return KernelChoice(chosen.name, chosen.name if return_lse else None)
+    return KernelChoice.of(chosen, return_lse=return_lse)
