@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from zen_mla import (
+    ERROR_STATUSES,
     InvalidInputError,
     OverloadedError,
     UnauthorizedError,
@@ -90,5 +91,8 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": HTTPStatus(status).phrase,
         "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
     }
-    for status in (400, 401, 408, 411, 413, 415, 422, 429, 431, 500, 503, 504)
+    for status in ERROR_STATUSES
 }
+"""The OpenAPI responses of a route that answers errors as problem details: every status zen_mla's
+table answers an error with. The connection layer (`protocol`) answers some of them (a head too
+large or too slow, connections over the cap) before any route is reached."""

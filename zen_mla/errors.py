@@ -1,4 +1,5 @@
-"""The exceptions zen_mla raises, in one tree, with the HTTP status each maps to.
+"""The exceptions zen_mla raises, in one tree, and the one table of the codes each is answered
+with (the tree draws its HTTP status; `ERROR_CODES` decides it).
 
     ZenMLAError
     ├── InvalidInputError (ValueError)      a tensor or argument breaks the contract     422
@@ -24,19 +25,26 @@
     ├── SharedMemoryUnavailableError        client side: no same-host regions to be had     -
     └── ProtocolError                       client side: the answer broke the protocol      -
 
-`STATUS` maps each class to its status and `BY_STATUS` back; the service answers with the first
-and the client raises with the second, so an error arrives as the class it left as. Across the
-pool's process boundary an error travels as its parts (`parts_of`, `from_parts`), so a
-worker's InvalidInputError is one in the service too.
+`ERROR_CODES` is the one table of what the service answers each class with: its HTTP status,
+its gRPC status code, and whether a client that reads that HTTP status raises it. `STATUS` (class
+to status), `BY_STATUS` (status to the class a client raises) and `ERROR_STATUSES` (every status
+an error is answered with) are read from it, so an error arrives as the class it left as, on
+every protocol. Across the pool's process boundary an error travels as its parts (`parts_of`,
+`from_parts`), so a worker's InvalidInputError is one in the service too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "BY_STATUS",
+    "ERROR_CODES",
+    "ERROR_STATUSES",
     "STATUS",
     "BodyTooLargeError",
     "DeadlineExceededError",
+    "ErrorCodes",
     "ForbiddenError",
     "HeadersTooLargeError",
     "InternalError",
@@ -58,6 +66,7 @@ __all__ = [
     "WireFormatError",
     "WorkTooLargeError",
     "ZenMLAError",
+    "codes_of",
     "from_parts",
     "parts_of",
     "status_of",
@@ -179,51 +188,71 @@ class ProtocolError(ZenMLAError):
     asks for, an unreadable body, or more bytes than the request can need. Never retried."""
 
 
-STATUS: dict[type[ZenMLAError], int] = {
-    WireFormatError: 400,
-    UnauthorizedError: 401,
-    ForbiddenError: 403,
-    NotFoundError: 404,
-    RequestTimeoutError: 408,
-    LengthRequiredError: 411,
-    BodyTooLargeError: 413,
-    UnsupportedMediaTypeError: 415,
-    HeadersTooLargeError: 431,
-    KernelUnavailableError: 422,
-    WorkTooLargeError: 422,
-    InvalidInputError: 422,
-    QueueFullError: 429,
-    KernelError: 500,
-    InternalError: 500,
-    PoolClosedError: 503,
-    ServiceUnavailableError: 503,
-    DeadlineExceededError: 504,
-}
-"""Most specific first: `status_of` takes the first class an error is an instance of."""
+@dataclass(frozen=True, slots=True)
+class ErrorCodes:
+    """What the service answers one error class with, on every protocol.
+
+    Args:
+        error: the class; an error takes the first row whose class it is an instance of.
+        http: its HTTP status (problem+json on `/prefill`, `{"error"}` on `/v2`).
+        grpc: the name of its gRPC status code, a `grpc.StatusCode` member (zen_mla does not
+            import grpc; the service looks the name up).
+        client_raises: whether a client that reads `http` raises this class; one class a status.
+    """
+
+    error: type[ZenMLAError]
+    http: int
+    grpc: str
+    client_raises: bool = False
+
+
+ERROR_CODES: tuple[ErrorCodes, ...] = (
+    ErrorCodes(WireFormatError, 400, "INVALID_ARGUMENT", client_raises=True),
+    ErrorCodes(UnauthorizedError, 401, "UNAUTHENTICATED", client_raises=True),
+    ErrorCodes(ForbiddenError, 403, "PERMISSION_DENIED", client_raises=True),
+    ErrorCodes(NotFoundError, 404, "NOT_FOUND", client_raises=True),
+    ErrorCodes(RequestTimeoutError, 408, "DEADLINE_EXCEEDED", client_raises=True),
+    ErrorCodes(LengthRequiredError, 411, "INVALID_ARGUMENT", client_raises=True),
+    ErrorCodes(BodyTooLargeError, 413, "RESOURCE_EXHAUSTED", client_raises=True),
+    ErrorCodes(UnsupportedMediaTypeError, 415, "INVALID_ARGUMENT", client_raises=True),
+    ErrorCodes(KernelUnavailableError, 422, "INVALID_ARGUMENT"),
+    ErrorCodes(WorkTooLargeError, 422, "INVALID_ARGUMENT"),
+    ErrorCodes(InvalidInputError, 422, "INVALID_ARGUMENT", client_raises=True),
+    ErrorCodes(QueueFullError, 429, "RESOURCE_EXHAUSTED", client_raises=True),
+    ErrorCodes(HeadersTooLargeError, 431, "RESOURCE_EXHAUSTED", client_raises=True),
+    ErrorCodes(KernelError, 500, "INTERNAL", client_raises=True),
+    ErrorCodes(InternalError, 500, "INTERNAL"),
+    ErrorCodes(PoolClosedError, 503, "UNAVAILABLE"),
+    ErrorCodes(ServiceUnavailableError, 503, "UNAVAILABLE", client_raises=True),
+    ErrorCodes(DeadlineExceededError, 504, "DEADLINE_EXCEEDED", client_raises=True),
+)
+"""Most specific first: `codes_of` takes the first row an error is an instance of. Every
+protocol's codes come from here; nothing else maps a class or a status to a code."""
+
+# An error no row names (the base class, a client-side one) is a bug of the service's making.
+_UNNAMED = next(row for row in ERROR_CODES if row.error is InternalError)
+
+STATUS: dict[type[ZenMLAError], int] = {row.error: row.http for row in ERROR_CODES}
+"""Each class's HTTP status, in the table's order (most specific first)."""
 
 BY_STATUS: dict[int, type[ZenMLAError]] = {
-    400: WireFormatError,
-    401: UnauthorizedError,
-    403: ForbiddenError,
-    404: NotFoundError,
-    408: RequestTimeoutError,
-    411: LengthRequiredError,
-    413: BodyTooLargeError,
-    415: UnsupportedMediaTypeError,
-    431: HeadersTooLargeError,
-    422: InvalidInputError,
-    429: QueueFullError,
-    500: KernelError,
-    503: ServiceUnavailableError,
-    504: DeadlineExceededError,
+    row.http: row.error for row in ERROR_CODES if row.client_raises
 }
+"""The class a client raises for each HTTP status the service answers an error with."""
+
+ERROR_STATUSES: tuple[int, ...] = tuple(sorted({row.http for row in ERROR_CODES}))
+"""Every HTTP status the service answers an error with, in order: what its routes document."""
+
+
+def codes_of(exc: ZenMLAError) -> ErrorCodes:
+    """The row `exc` is answered by: the first whose class it is an instance of, or
+    InternalError's where no row names its class."""
+    return next((row for row in ERROR_CODES if isinstance(exc, row.error)), _UNNAMED)
 
 
 def status_of(exc: ZenMLAError) -> int:
-    for cls, status in STATUS.items():
-        if isinstance(exc, cls):
-            return status
-    return 500
+    """The HTTP status `exc` is answered with (500 where the table does not name its class)."""
+    return codes_of(exc).http
 
 
 def parts_of(exc: BaseException) -> tuple[str, str, tuple[str, ...]]:

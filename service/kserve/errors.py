@@ -4,19 +4,22 @@ InferenceServerException with our message."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from zen_mla import ZenMLAError, status_of
+from zen_mla import ERROR_STATUSES, ZenMLAError, status_of
 
-from ..problems import problem_headers
+from ..problems import PROBLEM_RESPONSES, problem_headers
 
 __all__ = ["ERROR_RESPONSES", "error_response"]
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {
-        "description": "an error, as the Open Inference Protocol gives it",
+        "description": f"{HTTPStatus(status).phrase}: the route's error as the Open Inference "
+        "Protocol gives it, or problem details where the connection layer refuses the request "
+        "before any route (a head too large or too slow, connections over the cap)",
         "content": {
             "application/json": {
                 "schema": {
@@ -24,11 +27,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                     "properties": {"error": {"type": "string"}},
                     "required": ["error"],
                 }
-            }
+            },
+            **PROBLEM_RESPONSES[status]["content"],
         },
     }
-    for status in (400, 401, 403, 404, 408, 411, 413, 415, 422, 429, 500, 503, 504)
+    for status in ERROR_STATUSES
 }
+"""The OpenAPI responses of a v2 route: every status zen_mla's table answers an error with, as
+`/prefill` documents them; a v2 route answers `{"error"}`, the connection layer (`protocol`)
+answers problem details before the request reaches one."""
 
 
 def error_response(exc: ZenMLAError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""Errors as gRPC statuses: the status code for the HTTP status `/prefill` would answer, the
+"""Errors as gRPC statuses: the status code zen_mla's table gives the error (`codes_of`), the
 message as on HTTP, and trailing metadata: the problem's type, its HTTP status, and for a 429 or
 503 the retry hint, as `retry-after` seconds and as google.rpc.RetryInfo in the status details
 (`grpc-status-details-bin`, which gRPC's own retry support and `grpcio-status` read)."""
@@ -12,28 +12,13 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from zen_mla import OverloadedError, ZenMLAError, status_of
+from zen_mla import ERROR_CODES, OverloadedError, ZenMLAError, codes_of
 
 __all__ = ["CODES", "GrpcError", "grpc_error"]
 
-Code = grpc.StatusCode
-#: the gRPC status code of each HTTP status the service answers
-CODES: dict[int, grpc.StatusCode] = {
-    400: Code.INVALID_ARGUMENT,
-    401: Code.UNAUTHENTICATED,
-    403: Code.PERMISSION_DENIED,
-    404: Code.NOT_FOUND,
-    408: Code.DEADLINE_EXCEEDED,
-    411: Code.INVALID_ARGUMENT,
-    413: Code.RESOURCE_EXHAUSTED,
-    415: Code.INVALID_ARGUMENT,
-    422: Code.INVALID_ARGUMENT,
-    429: Code.RESOURCE_EXHAUSTED,
-    431: Code.RESOURCE_EXHAUSTED,
-    500: Code.INTERNAL,
-    503: Code.UNAVAILABLE,
-    504: Code.DEADLINE_EXCEEDED,
-}
+CODES: dict[int, grpc.StatusCode] = {row.http: grpc.StatusCode[row.grpc] for row in ERROR_CODES}
+"""The gRPC status code of each HTTP status the service answers an error with, read from
+zen_mla's table (the classes of one status share a code)."""
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -48,8 +33,8 @@ class GrpcError:
 
 
 def grpc_error(exc: ZenMLAError) -> GrpcError:
-    status = status_of(exc)
-    code = CODES.get(status, Code.INTERNAL)
+    codes = codes_of(exc)
+    status, code = codes.http, grpc.StatusCode[codes.grpc]
     message = str(exc)
     metadata: list[tuple[str, str | bytes]] = [
         ("zen-mla-problem", f"urn:zen-mla:problem:{type(exc).__name__}"),
