@@ -19,6 +19,7 @@ from zen_mla.attention import KernelChoice
 from zen_mla.engine import PrefillResult
 
 from .forms.base import RequestRecord
+from .pace import Pace
 
 __all__ = [
     "CUT",
@@ -88,10 +89,10 @@ def stream(
 
 class Streamed(Response):
     """An answer sent from views of shared memory, a `SEND_CHUNK` at a time, as fast as its
-    client reads it, and no slower than `min_rate` bytes/s on average after `grace_s` (the
-    door's rule for bodies, set by the pipeline with `pace`): a client that stops reading has
-    its connection cut (aborted: what the transport holds is dropped) rather than holding the
-    answer's memory for as long as it keeps the connection open."""
+    client reads it, and no slower than its `pace` (the rule bodies keep, set by the pipeline):
+    a client that stops reading has its connection cut (aborted: what the transport holds is
+    dropped) rather than holding the answer's memory for as long as it keeps the connection
+    open."""
 
     def __init__(
         self,
@@ -106,12 +107,7 @@ class Streamed(Response):
         )
         self._parts: list[bytes | memoryview] = [head, *chunks]
         self.length = length
-        self.min_rate = 0.0
-        self.grace_s = 0.0
-
-    def pace(self, min_rate: float, grace_s: float) -> None:
-        """The least rate the client must read at (bytes/s, 0: none), after `grace_s`."""
-        self.min_rate, self.grace_s = min_rate, grace_s
+        self.pace = Pace()  # none until the pipeline sets the door's (`Pace.of`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -123,8 +119,9 @@ class Streamed(Response):
                     part = self._parts.pop(0)
                     size = part.nbytes if isinstance(part, memoryview) else len(part)
                     for i in range(0, size, SEND_CHUNK):
-                        if self.min_rate > 0:
-                            timer.reschedule(start + self.grace_s + sent / self.min_rate)
+                        due = self.pace.due(start, sent)
+                        if due is not None:
+                            timer.reschedule(due)
                         piece = part[i : i + SEND_CHUNK]
                         await send({"type": "http.response.body", "body": piece, "more_body": True})
                         sent += min(SEND_CHUNK, size - i)
@@ -139,7 +136,7 @@ class Streamed(Response):
                 sent,
                 self.length,
                 loop.time() - start,
-                self.min_rate,
+                self.pace.min_rate,
             )
             if cut is None:  # not under zen-mla's protocol (an in-process test transport)
                 raise

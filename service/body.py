@@ -6,8 +6,10 @@ one admission (`admission`), one minimum rate, one deadline and one byte budget.
   faulted in a window ahead of the bytes as they arrive, and the byte budget
   (`max_inflight_bytes`) is charged for what is faulted in, not for what a Content-Length
   announces. A body that would pass the budget is a 429.
-- After `body_grace_s`, the bytes in must keep up with `min_body_rate` (408 below); the
-  request's deadline bounds the whole read (504).
+- After `body_grace_s`, the bytes in must keep up with `min_body_rate` (`pace`: 408 below);
+  the request's deadline bounds the whole read (504).
+- The body's buffer is the request's (`held`): taken from there, given back by the pipeline
+  with everything else the request holds, however the read ends.
 - A message a transport reads whole (a gRPC call's, `read_message`) shows no progress until it
   is in: it holds its upload slot meanwhile, may be cut off for another once past its grace
   (408) while every slot is taken, and the request's deadline bounds it (504); its bytes are
@@ -18,16 +20,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect
 
 from zen_mla import DeadlineExceededError, RequestTimeoutError, WireFormatError
-from zen_mla.engine import PrefillEngine, SharedBuffer
+from zen_mla.engine import SharedBuffer
 
 from .admission import Ticket
+from .pace import Pace
 
-__all__ = ["SMALL_BYTES", "Receive", "read_body", "read_message", "release_buffer"]
+if TYPE_CHECKING:
+    from .held import Held
+
+__all__ = ["SMALL_BYTES", "Receive", "read_body", "read_message"]
 
 #: Work on this many bytes or fewer is done on the event loop, more in a thread (where the GIL
 #: is let go or the loop must not wait): giving a buffer back (unmapping 1 GiB takes 0.3-0.5 s),
@@ -43,30 +49,30 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 async def read_body(
     receive: Receive,
-    ticket: Ticket,
-    engine: PrefillEngine,
+    held: Held,
+    pace: Pace,
     *,
-    min_rate: float,
-    grace_s: float,
     deadline_at: float,
     deadline_s: float,
     lead: int = 0,
 ) -> SharedBuffer:
-    """The body of `ticket.nbytes` (its Content-Length), in a pool buffer the caller releases,
-    from byte `lead` on (a caller that knows where the body's tensors start aligns them so).
+    """The body of `held.ticket.nbytes` (its Content-Length), in a buffer `held` owns, from byte
+    `lead` on (a caller that knows where the body's tensors start aligns them so).
 
-    After `grace_s`, the bytes in must keep up with `min_rate` bytes/s (counted from the start
-    of the read): a body falling behind, or displaced by a faster one, raises
-    RequestTimeoutError (408). `deadline_at` (loop time) raises DeadlineExceededError (504); a
-    vanished client ClientDisconnect; a body longer or shorter than announced WireFormatError
-    (400); the byte budget QueueFullError (429).
+    After the grace, the bytes in must keep up with `pace` (counted from the start of the read):
+    a body falling behind, or displaced by a faster one, raises RequestTimeoutError (408).
+    `deadline_at` (loop time) raises DeadlineExceededError (504); a vanished client
+    ClientDisconnect; a body longer or shorter than announced WireFormatError (400); the byte
+    budget QueueFullError (429).
     """
+    ticket = held.ticket
+    assert ticket is not None, "admitted first"
     nbytes = ticket.nbytes
     loop = asyncio.get_running_loop()
     start = loop.time()
     total = lead + nbytes
     # No pages yet: they are faulted in (and charged) a window ahead of the bytes that came.
-    buf = engine.buffer(total, prefault=False)
+    buf = held.buffer(total, prefault=False)
     view = buf.bytes_view
     got = 0
     slow = False
@@ -77,9 +83,9 @@ async def read_body(
             while more:
                 if ticket.displaced:
                     raise TimeoutError
-                cut = start + grace_s + got / min_rate if min_rate > 0 else deadline_at
-                slow = cut < deadline_at
-                timer.reschedule(min(cut, deadline_at))
+                due = pace.due(start, got)
+                slow = due is not None and due < deadline_at
+                timer.reschedule(due if due is not None and slow else deadline_at)
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientDisconnect()
@@ -95,7 +101,6 @@ async def read_body(
                 view[lead + got : lead + end] = chunk
                 got = ticket.got = end
     except TimeoutError:
-        await release_buffer(engine, buf)
         elapsed = loop.time() - start
         if ticket.displaced:
             raise RequestTimeoutError(
@@ -104,17 +109,13 @@ async def read_body(
             ) from None
         if slow:
             raise RequestTimeoutError(
-                f"the body came slower than {min_rate:.0f} bytes/s after a {grace_s} s grace: "
-                f"{got} of {nbytes} bytes in {elapsed:.1f} s"
+                f"the body came slower than {pace.min_rate:.0f} bytes/s after a {pace.grace_s} s "
+                f"grace: {got} of {nbytes} bytes in {elapsed:.1f} s"
             ) from None
         raise DeadlineExceededError(f"the body did not arrive within {deadline_s} s") from None
-    except BaseException:
-        await release_buffer(engine, buf)
-        raise
     finally:
         ticket.timer = None
     if got != nbytes:
-        await release_buffer(engine, buf)
         raise WireFormatError("body", f"{nbytes} bytes (its Content-Length)", f"{got} bytes")
     return buf
 
@@ -146,12 +147,3 @@ async def read_message(
         raise DeadlineExceededError(f"the message did not arrive within {deadline_s} s") from None
     finally:
         ticket.timer = None
-
-
-async def release_buffer(engine: PrefillEngine, buf: SharedBuffer) -> None:
-    """`engine.release(buf)`; for a large buffer in a thread: the release may free an older
-    buffer of the pool's cache, and unmapping 1 GiB takes 0.3-0.5 s (without the GIL)."""
-    if buf.nbytes <= SMALL_BYTES:
-        engine.release(buf)
-    else:
-        await asyncio.to_thread(engine.release, buf)

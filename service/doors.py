@@ -35,6 +35,7 @@ __all__ = [
     "Door",
     "GrpcDoor",
     "HttpDoor",
+    "bearer",
     "byte_count",
     "peer_address",
     "trusted_proxies",
@@ -91,6 +92,13 @@ class Door(Protocol):
         """Completes once the sender hangs up."""
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` value (RFC 6750; the scheme in any
+    case); None where the value is missing or of another scheme."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token if scheme.lower() == "bearer" else None
+
+
 def byte_count(raw: str) -> int | None:
     """A header's byte count: ASCII digits only (str.isdigit() takes "²" and int() 5,000
     digits, both costly or fatal later), at most 18 of them; None otherwise."""
@@ -117,8 +125,7 @@ class HttpDoor:
         the tenant it names, where tenants have tokens."""
         if not tenants.required:
             return
-        scheme, _, token = self.request.headers.get("authorization", "").partition(" ")
-        tenant = tenants.client(token if scheme.lower() == "bearer" else None)
+        tenant = tenants.client(bearer(self.request.headers.get("authorization")))
         if tenant is not None:
             self.client = tenant
 
@@ -281,9 +288,8 @@ class GrpcDoor:
         """The bearer token in the `authorization` metadata, as `HttpDoor.authorize`."""
         if not tenants.required:
             return
-        value = self.metadata.get("authorization", "")
-        scheme, _, token = (value if isinstance(value, str) else "").partition(" ")
-        tenant = tenants.client(token if scheme.lower() == "bearer" else None)
+        value = self.metadata.get("authorization")
+        tenant = tenants.client(bearer(value if isinstance(value, str) else None))
         if tenant is not None:
             self.client = tenant
 

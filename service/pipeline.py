@@ -27,7 +27,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect
@@ -51,13 +50,15 @@ from zen_mla.engine import (
 
 from .admission import Ticket, client_name
 from .answer import Streamed
-from .body import SMALL_BYTES, read_body, read_message, release_buffer
+from .body import SMALL_BYTES, read_body, read_message
 from .doors import Door
 from .forms.base import Expect, Form, RequestRecord, Work
+from .held import Held
+from .pace import Pace
 from .settings import Settings
 from .state import ServiceState, readiness
 
-__all__ = ["ClientGoneError", "Held", "compute", "ready_engine", "serve"]
+__all__ = ["ClientGoneError", "compute", "ready_engine", "serve"]
 
 log = logging.getLogger("zen_mla.service")
 A = TypeVar("A")
@@ -78,7 +79,7 @@ def ready_engine(state: ServiceState) -> PrefillEngine:
 async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
     """`form`'s request, come in by `door`, from its gate to its log line (see the module)."""
     record = RequestRecord(form.route, time.perf_counter())
-    held = Held()
+    held = Held(state.engine)
     try:
         if form.computes:
             ready_engine(state)
@@ -109,7 +110,7 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         error = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         return form.refuse(error, record, {})
     finally:
-        await held.release(state.engine)
+        await held.release()
         _account(state, record)
 
 
@@ -148,18 +149,14 @@ async def _read(
         return raw
     admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
     ticket = held.ticket = admission.admit(n, door.client)
-    engine = _engine(state)
     buf = await read_body(
         door.receive,
-        ticket,
-        engine,
-        min_rate=s.min_body_rate,
-        grace_s=s.body_grace_s,
+        held,
+        Pace.of(s),
         deadline_at=deadline_at,
         deadline_s=s.deadline_s,
         lead=expect.lead,
     )
-    held.buffers.append(buf)
     _arrived(record, n)
     ticket.uploaded()
     if not expect.small:
@@ -167,7 +164,7 @@ async def _read(
     try:
         return bytes(buf.bytes_view[:n])
     finally:
-        await held.release_buffers(engine)
+        await held.release_buffers()
 
 
 def _arrived(record: RequestRecord, nbytes: int) -> None:
@@ -185,7 +182,7 @@ async def _run(
 ) -> A:
     engine = _engine(state)
     staging = work.staging
-    held.buffers.extend([staging] if isinstance(staging, SharedBuffer) else staging or ())
+    held.keep([staging] if isinstance(staging, SharedBuffer) else list(staging or ()))
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)
@@ -207,7 +204,7 @@ async def _run(
         raise
     ticket = held.ticket
     ticket.refund("kernel")  # its work is done
-    await held.release_buffers(engine)  # the inputs' memory, before the answer goes out
+    await held.release_buffers()  # the inputs' memory, before the answer goes out
     ticket.refund("body")
     if places is not None:
         result.release()  # written where the caller said: no memory of the pool's to keep
@@ -218,7 +215,7 @@ async def _run(
         charge.close()
         raise
     if isinstance(answer, Streamed):
-        answer.pace(state.settings.min_body_rate, state.settings.body_grace_s)
+        answer.pace = Pace.of(state.settings)
     return answer
 
 
@@ -242,36 +239,6 @@ def _charge(
         )
     ticket.charge(cost.workspace_bytes, "kernel")
     ticket.charge(answer, "answer")
-
-
-@dataclass
-class Held:
-    """What a request holds until its work ends: its share of the admission and the engine's
-    buffers its work reads (its body's, staging). Owned by the request's task; handed whole to
-    the task that waits out work whose client hung up (`_abandon`)."""
-
-    ticket: Ticket | None = None
-    buffers: list[SharedBuffer] = field(default_factory=list)
-
-    async def release_buffers(self, engine: PrefillEngine) -> None:
-        """The buffers back to the engine."""
-        buffers, self.buffers = self.buffers, []
-        for buf in buffers:
-            await release_buffer(engine, buf)
-
-    async def release(self, engine: PrefillEngine | None) -> None:
-        """Everything back: the buffers, then the admission."""
-        if engine is not None:
-            await self.release_buffers(engine)
-        if self.ticket is not None:
-            self.ticket.close()
-            self.ticket = None
-
-    def hand_over(self) -> Held:
-        """What is held, in a new owner; this one holds nothing after."""
-        kept = Held(self.ticket, self.buffers)
-        self.ticket, self.buffers = None, []
-        return kept
 
 
 def _remaining(settings: Settings, record: RequestRecord) -> float:
@@ -356,7 +323,6 @@ def _abandon(
         waiting.cancel()  # an outcome come meanwhile (a failure) is nobody's to read
         return
     kept = held.hand_over()  # what the work reads, until it ends
-    engine = state.engine
 
     async def finish() -> None:
         try:
@@ -364,7 +330,7 @@ def _abandon(
         except Exception:  # past its deadline, or failed: nobody is waiting for the answer
             pass
         finally:
-            await kept.release(engine)
+            await kept.release()
 
     task = asyncio.ensure_future(finish())
     state.abandoned.add(task)

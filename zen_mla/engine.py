@@ -29,7 +29,8 @@ import torch
 
 from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.driver import workspace_bytes
-from .attention.select import KernelChoice, host_status, select_kernel
+from .attention.select import KernelChoice, select_kernel
+from .attention.status import host_status
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
@@ -300,9 +301,7 @@ class PrefillEngine:
             workspace_bytes(batch, chosen, return_lse=return_lse, threads=self._threads),
             result + (h * tq * 4 if return_lse else 0),
         )
-        return PrefillRequest(
-            batch, KernelChoice(chosen.name, chosen.name if return_lse else None), cost
-        )
+        return PrefillRequest(batch, KernelChoice.of(chosen, return_lse=return_lse), cost)
 
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError

@@ -14,7 +14,8 @@ import torch
 
 import zen_mla
 from service.forms.base import RequestRecord
-from service.pipeline import ClientGoneError, Held, compute
+from service.held import Held
+from service.pipeline import ClientGoneError, compute
 from service.settings import Settings
 from service.state import ServiceState
 from tests.processes import wait_for
@@ -56,7 +57,7 @@ def _hung_up_compute(engine: PrefillEngine, reply_to: socket.socket | None):
         gone = asyncio.get_running_loop().create_future()
         gone.set_result(None)  # the client's socket ended
         record = RequestRecord("socket", time.perf_counter())
-        held = Held(state.admission.admit_read(0))
+        held = Held(engine, state.admission.admit_read(0))
         try:
             result = await compute(state, gone, prepared, record, held, inputs=buf, reply=reply)
             return result, placed

@@ -1,5 +1,5 @@
 """This host as the kernels judge it: the CPU and what the start-up probes found (the probes
-themselves run in `attention.select`, which builds a `HostFacts` once per process)."""
+themselves run in `attention.probes`, which builds a `HostFacts` once per process)."""
 
 from __future__ import annotations
 

@@ -15,12 +15,10 @@ from ..errors import InvalidInputError, KernelUnavailableError
 from . import probes
 from .auto import auto_choice, cannot_run
 from .kernels import KERNELS, AttentionKernel
-from .status import host_status  # moved to status; importers: zen_mla/engine.py
 
 __all__ = [
     "KERNEL_NAMES",
     "KernelChoice",
-    "host_status",
     "kernel_choice",
     "select_kernel",
 ]

@@ -78,8 +78,9 @@ class AttentionKernel:
 
     Capabilities are class-level. Each kernel says from the host's facts, probed once per
     process, whether it can run here, whether "auto" may take it, and whether its LSE is
-    trusted, each as None or the reason why not; the selector (`attention.select`) asks, so
-    the driver never re-checks per call. The defaults fit a kernel that runs on every CPU.
+    trusted, each as None or the reason why not; the selector (`attention.auto`,
+    `attention.select`) asks, so the driver never re-checks per call. The defaults
+    fit a kernel that runs on every CPU.
     """
 
     name: ClassVar[str]

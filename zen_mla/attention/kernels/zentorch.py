@@ -34,7 +34,7 @@ class ZentorchKernel(AttentionKernel):
     call, the plugin's own flash kernel, whose second return is the real natural-log LSE
     (`[n, H, Sq]` fp32). `out` without an LSE takes the first, `out` with an LSE the second;
     neither is a documented promise, so the LSE is used only where the selector's start-up
-    probe (`attention.select`) found it correct. Its `is_causal` is top-left aligned and it
+    probe (`attention.probes`) found it correct. Its `is_causal` is top-left aligned and it
     refuses bool masks: the driver passes bottom-right causal masks as additive masks of the
     query dtype.
     """
