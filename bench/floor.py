@@ -164,16 +164,16 @@ def main() -> None:
             with PrefillClient(url, shared_memory=True) as client:
                 t = tensors(n, make=lambda shape, dtype: client.empty(shape, dtype).normal_())
                 regions = client.regions(0)
-                assert regions is not None and regions.client.calls
+                assert regions is not None and regions.connection.calls
                 for part, calls in (("regions over HTTP", False), ("regions call (no HTTP)", True)):
                     # the client takes the call path whenever offered: undone here to compare
-                    regions.client.hello["calls"] = calls
+                    regions.connection.hello["calls"] = calls
                     put(
                         f"{part} (PrefillClient, empty())",
                         n,
                         median_ms(lambda t=t: client.prefill(**t), args.reps, n),
                     )
-                regions.client.hello["calls"] = True
+                regions.connection.hello["calls"] = True
                 # where the service's CPU goes in one such call: with --service-cpus the server
                 # and the worker share the service's CPUs, and the call waits for both in turn
                 calls = args.reps if n < BIG else max(5, args.reps // 20)

@@ -105,7 +105,7 @@ def through(backend: Any, path: str, new: int, ctx: int) -> Callable[[], object]
         client._shared_memory = False if path == "tcp" else None
         regions = client.regions(0) if path != "tcp" else None
         if regions is not None:
-            regions.client.hello["calls"] = path == "regions call"
+            regions.connection.hello["calls"] = path == "regions call"
         return [layer() for _ in range(LAYERS)]
 
     return step

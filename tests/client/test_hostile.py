@@ -31,7 +31,7 @@ from tests.client.fake_server import (
     trickle,
 )
 from zen_mla.client import AsyncPrefillClient, PrefillClient
-from zen_mla.regions.client import RegionClient
+from zen_mla.regions.connection import RegionConnection
 
 TQ, H, DQK, DV = 8, 2, 192, 128
 TIB = 1 << 40
@@ -485,7 +485,7 @@ def test_a_hostile_region_socket_at_hello(case):
         elapsed() as t,
         pytest.raises(zen_mla.SharedMemoryUnavailableError),
     ):
-        bounded(lambda: RegionClient(regions.path, None, timeout=0.5))
+        bounded(lambda: RegionConnection(regions.path, None, timeout=0.5))
     assert t[0] < 0.5 + 1.0, t
 
 
@@ -500,7 +500,7 @@ def test_a_hostile_region_socket_at_register(case):
             hostile(message, conn, stop)
 
     with FakeRegionSocket(reply) as regions:
-        client = RegionClient(regions.path, None, timeout=0.5)
+        client = RegionConnection(regions.path, None, timeout=0.5)
         fd = os.memfd_create("test")
         try:
             with elapsed() as t, pytest.raises(zen_mla.ZenMLAError):
@@ -516,7 +516,7 @@ def test_a_region_registered_under_no_name():
         conn.sendall(frame({"ok": True, "instance": "fake", "region": ["not", "a", "name"]}))
 
     with FakeRegionSocket(reply) as regions:
-        client = RegionClient(regions.path, None, timeout=1.0)
+        client = RegionConnection(regions.path, None, timeout=1.0)
         fd = os.memfd_create("test")
         try:
             with pytest.raises(zen_mla.ProtocolError):

@@ -61,7 +61,7 @@ def test_regions_whose_socket_closed_are_not_current_and_are_closed(tmp_path):
     with running(tmp_path) as r:
         offer = offers.offered(200, _health("ok", r.server.path), None, 5, False)
         assert offer.regions is not None and offer.current()
-        client = offer.regions.client
+        client = offer.regions.connection
         r.on_loop(r.server.close)  # the service went away (a restart): its socket closed
         with pytest.raises(zen_mla.SharedMemoryUnavailableError):
             client.try_call(call_fields({"body": "{}"}), 5)  # the next call finds it gone

@@ -37,7 +37,7 @@ from tests.service.region_clients import region_socket
 from tests.service.servers import Server, serve, server_fixture
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.client import _offers as offers
-from zen_mla.regions.client import RegionClient
+from zen_mla.regions.connection import RegionConnection
 from zen_mla.regions.memfd import create_sealed_memfd
 
 TQ, H, DQK, DV = 8, 2, 192, 128
@@ -141,7 +141,7 @@ def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def budget_spent(server: Server) -> Iterator[None]:
     """The server's budget for this user held whole, by another connection of this user's,
     until the block ends."""
-    holder = RegionClient(region_socket(server), None)
+    holder = RegionConnection(region_socket(server), None)
     fd = create_sealed_memfd(BUDGET)
     try:
 

@@ -9,8 +9,8 @@ import json
 import torch
 
 from tests.regions.region_sockets import running
-from zen_mla.regions import client as region_client
-from zen_mla.regions.client import ClientRegion, RegionClient, prefill_fields
+from zen_mla.regions import connection as region_connection
+from zen_mla.regions.connection import ClientRegion, RegionConnection, prefill_fields
 from zen_mla.regions.protocol import encode_frame, numbered
 from zen_mla.wire import regions_json
 from zen_mla.wire.regions_json import TensorPlace
@@ -35,13 +35,13 @@ def test_a_kept_frame_is_the_frame_made_afresh_and_follows_its_inputs():
     assert json.loads(json.loads(moved[4:])["body"])["q"]["offset"] == 64
     other = numbered(3, prefill_fields(_places(), options | {"return_lse": "true"}))
     assert json.loads(json.loads(other[4:])["body"])["__metadata__"]["return_lse"] == "true"
-    info = region_client._prefill_fields.cache_info()
-    assert info.maxsize == region_client.FRAMES_KEPT
+    info = region_connection._prefill_fields.cache_info()
+    assert info.maxsize == region_connection.FRAMES_KEPT
 
 
 def test_a_slot_is_one_view_of_its_bytes_until_the_slots_kept_are_spent(tmp_path):
     with running(tmp_path) as r:
-        client = RegionClient(r.server.path, None, timeout=5)
+        client = RegionConnection(r.server.path, None, timeout=5)
         region = ClientRegion(client, 1 << 20)
         a = region.slot(128, (4, 2, 8), torch.bfloat16)
         assert region.slot(128, (4, 2, 8), torch.bfloat16) is a
@@ -51,9 +51,9 @@ def test_a_slot_is_one_view_of_its_bytes_until_the_slots_kept_are_spent(tmp_path
         assert torch.equal(region.tensor(128, (4, 2, 8), torch.bfloat16), a.view)
         b = region.slot(128, (8, 8), torch.float32)  # same offset, another tensor
         assert b is not a and b.place.dtype == "F32" and b.view.shape == (8, 8)
-        for i in range(region_client.SLOTS_KEPT):
+        for i in range(region_connection.SLOTS_KEPT):
             region.slot(4096 + 64 * i, (1,), torch.float32)
-        assert len(region._slots) <= region_client.SLOTS_KEPT
+        assert len(region._slots) <= region_connection.SLOTS_KEPT
         again = region.slot(128, (4, 2, 8), torch.bfloat16)
         assert again.place == a.place and torch.equal(again.view, a.view)
         client.close()

@@ -1,6 +1,6 @@
 """Calls on the region socket are numbered, so that a reply a worker wrote to the connection
 itself and the service's own reply to the same call (its 504 as the deadline passed while the
-worker wrote) never pass for the next call's: the real RegionServer and RegionClient, a hook
+worker wrote) never pass for the next call's: the real RegionServer and RegionConnection, a hook
 that does what the service's does in that race."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from tests.regions.region_sockets import running
-from zen_mla.regions.client import RegionClient
+from zen_mla.regions.connection import RegionConnection
 from zen_mla.regions.protocol import call_fields, encode_frame
 
 
@@ -36,7 +36,7 @@ def test_a_reply_to_an_earlier_call_is_passed_over(tmp_path):
         return {"ok": True, "call": call, "body": body}
 
     with running(tmp_path, calls=hook) as r:
-        client = RegionClient(r.server.path, None, timeout=5)
+        client = RegionConnection(r.server.path, None, timeout=5)
         try:
             for body in ("service", "worker", "race", "after", "worker", "race", "race", "last"):
                 reply = client.try_call(call_fields({"body": body}), 5)

@@ -50,7 +50,7 @@ from tests.service.servers import Server
 from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.errors import BY_STATUS, DeadlineExceededError, QueueFullError, ZenMLAError
-from zen_mla.regions.client import RegionClient, RegionSet
+from zen_mla.regions.connection import RegionConnection, RegionSet
 from zen_mla.wire import options_metadata
 from zen_mla.wire import regions_json as rr
 
@@ -372,7 +372,7 @@ def regions_http_caller(
     to the region socket."""
     name = f"regions_http{start}"
     offer = server.health()["shared_memory"]
-    sock = RegionClient(offer["socket"], None, timeout=plan.timeout)
+    sock = RegionConnection(offer["socket"], None, timeout=plan.timeout)
     regions = RegionSet(sock)
     headers = {"Content-Type": rr.MEDIA_TYPE}
 

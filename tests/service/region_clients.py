@@ -13,7 +13,7 @@ import torch
 
 from tests.reference import assert_close_to_reference
 from tests.service.servers import Server
-from zen_mla.regions.client import ClientRegion, RegionClient
+from zen_mla.regions.connection import ClientRegion, RegionConnection
 from zen_mla.wire import regions_json as rr
 from zen_mla.wire.dtypes import BY_TORCH
 
@@ -82,7 +82,7 @@ def legit_round(server: Server, path: str, token: str | None) -> float:
     """Seconds for a client with the token to say hello, register a region and have a prefill
     through it answered correctly."""
     t0 = time.monotonic()
-    client = RegionClient(path, token, timeout=15)
+    client = RegionConnection(path, token, timeout=15)
     try:
         places, (q, k, v, cu, out) = lay_out(ClientRegion(client, 1 << 20), 64, lse=False)
         r = post_places(server, places, token=token)

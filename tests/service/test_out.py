@@ -38,14 +38,14 @@ def test_sync_out_is_written_in_place_and_returned(server, shared_memory, return
     wide, out = _padded_out()
     with PrefillClient(server.url, shared_memory=shared_memory) as client:
         regions = client.regions(0)
-        assert (regions is not None and regions.client.calls) is shared_memory  # the call path
+        assert (regions is not None and regions.connection.calls) is shared_memory  # the call path
         got = client.prefill(q, k, v, cu, return_lse=return_lse, out=out)
         result, lse = got if return_lse else (got, None)
         assert result is out
         assert_close_to_reference(q, k, v, cu, None, True, out, lse)
         assert bool((wide[..., DV:] == 7.0).all())  # nothing written past the view
         if regions is not None:  # and as regions over HTTP (where no calls are offered)
-            regions.client.hello["calls"] = False
+            regions.connection.hello["calls"] = False
             out.fill_(float("nan"))
             assert client.prefill(q, k, v, cu, out=out) is out
             assert_close_to_reference(q, k, v, cu, None, True, out)

@@ -23,7 +23,7 @@ from tests.service.region_clients import SharedMemfd, lay_out, post_places, regi
 from tests.service.servers import Server, serve, server_fixture
 from zen_mla import InvalidInputError
 from zen_mla.client import PrefillClient
-from zen_mla.regions.client import RegionClient
+from zen_mla.regions.connection import RegionConnection
 from zen_mla.regions.memfd import create_sealed_memfd
 from zen_mla.regions.protocol import call_fields
 from zen_mla.wire import regions_json as rr
@@ -46,19 +46,19 @@ def _memfd(nbytes: int) -> tuple[int, str]:
     return create_sealed_memfd(nbytes, name), name
 
 
-def _registered(client: RegionClient, fd: int, nbytes: int) -> SharedMemfd:
+def _registered(client: RegionConnection, fd: int, nbytes: int) -> SharedMemfd:
     region = SharedMemfd(fd, nbytes)
     region.handle = client.register(fd)
     return region
 
 
-def _socket_call(client: RegionClient, places: dict) -> dict:
+def _socket_call(client: RegionConnection, places: dict) -> dict:
     reply = client.try_call(call_fields({"body": rr.encode(places).decode()}), 60)
     assert reply is not None
     return reply
 
 
-def _registers(client: RegionClient, fd: int) -> bool:
+def _registers(client: RegionConnection, fd: int) -> bool:
     """`fd` registered; False while the budget has no room (the server may not have read yet
     that another connection of ours closed)."""
     try:
@@ -74,7 +74,7 @@ def test_a_sparse_memfd_is_refused_and_costs_the_service_nothing(costly):
     as k and v would make a worker fault it all in, charged to the service."""
     name = f"zen-mla-cost-sparse-{os.getpid()}"
     fd = sealed(fcntl.F_SEAL_SHRINK, 256 * MiB, name=name)
-    client = RegionClient(region_socket(costly), None)
+    client = RegionConnection(region_socket(costly), None)
     try:
         with pytest.raises(InvalidInputError, match="268435456 of 268435456 bytes are holes"):
             client.register(fd)
@@ -91,7 +91,7 @@ def test_holes_punched_after_registering_refuse_the_call(costly, route):
     """Holes punched in k's bytes after registering: the call is refused naming a tensor in that
     region, and no page was faulted into the memfd (a worker reading k would have)."""
     fd, _ = _memfd(MiB)
-    client = RegionClient(region_socket(costly), None)
+    client = RegionConnection(region_socket(costly), None)
     try:
         region = _registered(client, fd, MiB)
         places, (q, k, v, cu, out) = lay_out(region, TOKENS, lse=False)
@@ -118,7 +118,7 @@ def test_holes_punched_after_a_call_refuse_the_next_one(costly):
     """The same request again (its resolution kept by the service) after k's pages were given
     back: refused, with nothing faulted in."""
     fd, _ = _memfd(MiB)
-    client = RegionClient(region_socket(costly), None)
+    client = RegionConnection(region_socket(costly), None)
     try:
         region = _registered(client, fd, MiB)
         places, _ = lay_out(region, TOKENS, lse=False)
@@ -137,7 +137,7 @@ def test_the_byte_budget_is_one_users_over_all_its_connections(costly):
     """Connections of one uid share one budget: three of 160 MiB, 480 MiB in all, do not fit
     under a 384 MiB one."""
     path = region_socket(costly)
-    clients = [RegionClient(path, None) for _ in range(3)]
+    clients = [RegionConnection(path, None) for _ in range(3)]
     fds: list[int] = []
     try:
         for client in clients[:2]:
@@ -162,7 +162,7 @@ def test_the_mappings_of_a_client_that_left_go_within_a_second(costly, route):
     """A client that called and left: the server kept its region mapped (and its memfd open)
     until a garbage collection, which a job's reference cycles waited for."""
     fd, name = _memfd(8 * MiB)
-    client = RegionClient(region_socket(costly), None)
+    client = RegionConnection(region_socket(costly), None)
     try:
         region = _registered(client, fd, 8 * MiB)
         places, _ = lay_out(region, TOKENS, lse=False)

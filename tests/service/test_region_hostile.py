@@ -35,7 +35,7 @@ from tests.service.region_clients import (
 from tests.service.servers import Server, serve, server_fixture
 from zen_mla import InvalidInputError
 from zen_mla.client import PrefillClient
-from zen_mla.regions.client import RegionClient
+from zen_mla.regions.connection import RegionConnection
 from zen_mla.regions.protocol import call_fields
 from zen_mla.wire import regions_json as rr
 
@@ -98,7 +98,7 @@ def _memfd(nbytes: int) -> int:
     return sealed(fcntl.F_SEAL_SHRINK, nbytes, name=f"zen-mla-hostile-{os.getpid()}-{next(_names)}")
 
 
-def _call(client: RegionClient, places: dict, meta: dict | None = None) -> dict:
+def _call(client: RegionConnection, places: dict, meta: dict | None = None) -> dict:
     reply = client.try_call(call_fields({"body": rr.encode(places, meta).decode()}), 60)
     assert reply is not None
     return reply
@@ -110,7 +110,7 @@ class _Attacker:
     and the places of a request laid out there."""
 
     server: Server
-    client: RegionClient
+    client: RegionConnection
     fd: int
     region: SharedMemfd
     places: dict
@@ -132,7 +132,7 @@ class _Attacker:
 def _attacking(server: Server, nbytes: int, tokens: int) -> Iterator[_Attacker]:
     fd = _memfd(nbytes)
     os.posix_fallocate(fd, 0, nbytes)
-    client = RegionClient(region_socket(server), None)
+    client = RegionConnection(region_socket(server), None)
     try:
         region = SharedMemfd(fd, nbytes)
         region.handle = client.register(fd)
@@ -178,7 +178,7 @@ def test_pages_past_the_end_buy_the_attacker_no_memory_of_the_services(hostile, 
     worker fault the whole region in: memory the service allocated and held (762 MiB for three
     of 256 MiB), while the client gave its own pages back. No page may be faulted into memory
     the client did not populate."""
-    attacker = RegionClient(region_socket(hostile), None)
+    attacker = RegionConnection(region_socket(hostile), None)
     fds = [_memfd(REGION) for _ in range(3)]
     try:
         for fd in fds:

@@ -32,7 +32,7 @@ def test_a_client_keeps_using_regions_across_a_service_restart(tmp_path):
             # every one over the new region socket
             assert requests_answered(second, 3, ("socket",)) == 3
             regions = client.regions(0)
-            assert regions is not None and not regions.client.closed
+            assert regions is not None and not regions.connection.closed
 
 
 def test_the_async_client_too(tmp_path):

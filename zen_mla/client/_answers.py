@@ -17,7 +17,7 @@ from ..attention import PrefillOutput
 from ..attention.batch import check_out
 from ..copying import copied, copy_into
 from ..errors import BY_STATUS, InvalidInputError, OverloadedError, ProtocolError, ZenMLAError
-from ..regions.client import Layout
+from ..regions.connection import Layout
 from ..wire import regions_json
 from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._memory import MIN_BYTES, AnswerMemory

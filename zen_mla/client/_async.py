@@ -12,7 +12,7 @@ import torch
 
 from ..envs import DEFAULT_URL
 from ..errors import SharedMemoryUnavailableError, ZenMLAError
-from ..regions.client import RegionSet
+from ..regions.connection import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import (
     DEFAULT_TIMEOUT,
@@ -216,7 +216,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
     async def _over_regions(
         self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest, regions: RegionSet
     ) -> PrefillOutput:
-        if regions.client.calls:  # the whole call in one thread: copies in, the socket, out
+        if regions.connection.calls:  # the whole call in one thread: copies in, the socket, out
             result = await asyncio.to_thread(_over_socket, pending, regions)
             if result is not None:
                 return result

@@ -23,7 +23,7 @@ from ..errors import (
     SharedMemoryUnavailableError,
     ZenMLAError,
 )
-from ..regions.client import Layout, RegionSet, prefill_fields
+from ..regions.connection import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import CONNECT_SHARE, Deadline, call_budget
@@ -189,7 +189,7 @@ class ClientRequest:
         """The call on the region socket, with no HTTP on its way, where the service takes
         calls there; None where it does not, or while the socket is busy with another call
         (the caller posts `region_post(layout)` instead). Blocking, bounded by the deadline."""
-        client = regions.client
+        client = regions.connection
         if not client.calls:
             return None
         try:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ProtocolError, SharedMemoryUnavailableError
-from ..regions.client import RegionClient, RegionSet
+from ..regions.connection import RegionConnection, RegionSet
 from ._answers import Bytes, health_json
 
 __all__ = ["RECHECK_NONE_S", "RECHECK_REFUSED_S", "RECHECK_STARTING_S", "Offer", "offered"]
@@ -50,7 +50,7 @@ class Offer:
         closed here: the service forgot them with the connection."""
         if self.regions is None:
             return time.monotonic() < self.until
-        if self.regions.client.closed:
+        if self.regions.connection.closed:
             self.regions.close()
             return False
         return True
@@ -72,7 +72,7 @@ def offered(status: int, body: Bytes, token: str | None, timeout: float, require
         offer = health.get("shared_memory")
         if not isinstance(offer, dict) or not offer.get("socket"):
             raise SharedMemoryUnavailableError("the service offers no shared memory")
-        client = RegionClient(str(offer["socket"]), token, timeout)
+        client = RegionConnection(str(offer["socket"]), token, timeout)
         if client.hello.get("instance") != offer.get("instance"):
             client.close()
             raise SharedMemoryUnavailableError(

@@ -14,7 +14,7 @@ import torch
 
 from ..envs import DEFAULT_URL
 from ..errors import SharedMemoryUnavailableError
-from ..regions.client import RegionSet
+from ..regions.connection import RegionSet
 from ._answers import Body, Bytes, PrefillOutput, health_json
 from ._base import (
     DEFAULT_TIMEOUT,

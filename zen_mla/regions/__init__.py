@@ -6,10 +6,10 @@ Both ends live here:
     protocol.py    the socket's frames, and the one reader of them
     registry.py    the service's regions by handle, their limits and their checks
     server.py      the service's end of the socket
-    client.py      the client's end: registration, regions, places of tensors
+    connection.py  the client's end: its connection, registration, regions, places of tensors
     system_shm.py  the service's registry of /dev/shm objects named by key (system shared memory)
 
-The service's names are below; they load on first use, so a client importing `regions.client`
+The service's names are below; they load on first use, so a client importing `regions.connection`
 does not load the server's end.
 """
 

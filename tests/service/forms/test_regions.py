@@ -25,7 +25,7 @@ from tests.reference import assert_close_to_reference
 from tests.service.region_clients import SharedMemfd, lay_out, post_places, region_socket
 from tests.service.servers import ROOT, serve
 from zen_mla.client import AsyncPrefillClient, PrefillClient
-from zen_mla.regions.client import ClientRegion, RegionClient
+from zen_mla.regions.connection import ClientRegion, RegionConnection
 from zen_mla.regions.memfd import create_sealed_memfd
 from zen_mla.regions.protocol import recv_frame, send_frame
 from zen_mla.wire import regions_json as rr
@@ -112,13 +112,13 @@ def test_automatic_choice_and_refusal(tmp_path, server):
         assert r.status_code == 415
 
 
-def _region(client: RegionClient, nbytes: int) -> ClientRegion:
+def _region(client: RegionConnection, nbytes: int) -> ClientRegion:
     return ClientRegion(client, nbytes)
 
 
 def test_a_request_by_hand_writes_out_in_place_and_says_where(server):
     offer = _offer(server)
-    client = RegionClient(offer["socket"], None)
+    client = RegionConnection(offer["socket"], None)
     try:
         assert client.hello["instance"] == offer["instance"]
         region = _region(client, 1 << 20)
@@ -162,7 +162,7 @@ def _moved(p: rr.TensorPlace, offset: int) -> rr.TensorPlace:
 
 @pytest.mark.parametrize("bad", BAD_PLACES.values(), ids=BAD_PLACES.keys())
 def test_bad_places_are_4xx_naming_what_is_wrong(server, bad):
-    client = RegionClient(_offer(server)["socket"], None)
+    client = RegionConnection(_offer(server)["socket"], None)
     try:
         places, _ = lay_out(_region(client, 1 << 20), 100, lse=False)
         r = post_places(server, bad(places))
@@ -175,14 +175,14 @@ def test_bad_places_are_4xx_naming_what_is_wrong(server, bad):
 
 
 def test_a_region_unregistered_or_its_client_gone_is_no_longer_named(server):
-    client = RegionClient(_offer(server)["socket"], None)
+    client = RegionConnection(_offer(server)["socket"], None)
     region = _region(client, 1 << 20)
     places, _ = lay_out(region, 50, lse=True)
     assert post_places(server, places, {"return_lse": "true"}).status_code == 200
     client.unregister(region.handle)
     r = post_places(server, places, {"return_lse": "true"})
     assert r.status_code == 422 and "registered region" in r.json()["detail"]
-    other = RegionClient(_offer(server)["socket"], None)
+    other = RegionConnection(_offer(server)["socket"], None)
     region = _region(other, 1 << 20)
     places, _ = lay_out(region, 50, lse=False)
     other.close()  # the socket closes: its regions end
@@ -224,7 +224,7 @@ def test_descriptors_that_are_not_sealed_memfds_are_refused(server, tmp_path):
 @pytest.mark.parametrize("case", UNMAPPABLE.values(), ids=UNMAPPABLE.keys())
 def test_a_memfd_that_cannot_be_mapped_is_a_4xx_and_the_connection_stays(server, case):
     make, says = case
-    client = RegionClient(_offer(server)["socket"], None)
+    client = RegionConnection(_offer(server)["socket"], None)
     try:
         region = _region(client, 1 << 20)
         fd = make()
@@ -242,7 +242,7 @@ def test_a_memfd_that_cannot_be_mapped_is_a_4xx_and_the_connection_stays(server,
 
 def test_out_over_q_through_another_handle_of_the_same_memfd_is_refused(server):
     path = _offer(server)["socket"]
-    first, second = RegionClient(path, None), RegionClient(path, None)
+    first, second = RegionConnection(path, None), RegionConnection(path, None)
     fd = create_sealed_memfd(1 << 20)
     try:
         memfd = SharedMemfd(fd, 1 << 20)
@@ -273,8 +273,8 @@ def test_the_token_guards_the_region_socket(tmp_path):
     with serve(tmp_path, workers=1, api_token="s3cret") as guarded:
         path = guarded.health()["shared_memory"]["socket"]
         with pytest.raises(zen_mla.SharedMemoryUnavailableError, match="token"):
-            RegionClient(path, "wrong")
-        client = RegionClient(path, "s3cret")
+            RegionConnection(path, "wrong")
+        client = RegionConnection(path, "s3cret")
         client.close()
         q, k, v, q_cu, _ = make_batch(BATCH_SPECS["single"], (2, 64, 64), torch.float32)
         with PrefillClient(guarded.url, token="s3cret", shared_memory=True) as c:

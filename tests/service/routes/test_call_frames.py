@@ -16,7 +16,7 @@ from service.routes.calls import socket_calls
 from service.settings import Settings
 from service.state import ServiceState
 from zen_mla.client._answers import AnswerSpec, called
-from zen_mla.regions.client import Layout
+from zen_mla.regions.connection import Layout
 from zen_mla.regions.protocol import MAX_MESSAGE, FrameReader, encode_frame
 from zen_mla.wire import regions_json as rr
 

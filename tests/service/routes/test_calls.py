@@ -33,7 +33,7 @@ from tests.service.servers import (
     wait_ready,
 )
 from zen_mla.client import AsyncPrefillClient, PrefillClient
-from zen_mla.regions.client import ClientRegion, RegionClient, RegionSet
+from zen_mla.regions.connection import ClientRegion, RegionConnection, RegionSet
 from zen_mla.regions.protocol import recv_frame, send_frame
 from zen_mla.wire import regions_json as rr
 
@@ -57,7 +57,7 @@ def test_sync_calls_equal_the_reference(server, return_lse):
     before = socket_calls(server)
     with PrefillClient(server.url, shared_memory=True) as client:
         regions = client.regions(0)
-        assert regions is not None and regions.client.calls  # the hello offers calls
+        assert regions is not None and regions.connection.calls  # the hello offers calls
         for name in SPECS:
             q, k, v, q_cu, kv_cu = make_batch(BATCH_SPECS[name], (3, 192, 128), torch.bfloat16)
             causal = BATCH_SPECS[name].kv_lens is None
@@ -207,7 +207,7 @@ def test_a_client_gone_mid_call_leaves_the_service_healthy(tight):
     (until it ends or its deadline stops it), the call is a 499, the service answers others."""
     wait_ready(tight)
     before = socket_calls(tight, 499)
-    client = RegionClient(region_socket(tight), None)
+    client = RegionConnection(region_socket(tight), None)
     q, k, v, cu = long_batch()
     with RegionSet(client).request({"q": q, "k": k, "v": v, "q_cu_seq_lens": cu}, False) as at:
         send_frame(client._sock, _call_frame(at.places))
@@ -248,7 +248,7 @@ def test_a_client_that_hangs_up_once_its_worker_answered_is_counted_answered(ser
 def test_a_second_frame_waits_for_the_first_calls_reply(server):
     """One call per connection: a hello sent right behind a long call is answered after it
     (read at once, it would have been answered first)."""
-    client = RegionClient(region_socket(server), None)
+    client = RegionConnection(region_socket(server), None)
     try:
         region = ClientRegion(client, 64 << 20)
         places, (q, k, v, cu, out) = lay_out(region, 2048, lse=False)
@@ -273,7 +273,7 @@ def _logged(server: Server, request_id: str) -> list[dict]:
 def test_a_numbered_call_is_answered_by_its_worker_with_its_number(server):
     """A frame with its call number is answered by the worker that ran it (the log line says
     so), numbered; one without is answered by the service, unnumbered; results the same."""
-    client = RegionClient(region_socket(server), None)
+    client = RegionConnection(region_socket(server), None)
     try:
         region = ClientRegion(client, 64 << 20)
         places, (q, k, v, cu, out) = lay_out(region, 64, lse=False)
@@ -297,7 +297,7 @@ def test_a_numbered_call_is_answered_by_its_worker_with_its_number(server):
 
 @pytest.mark.parametrize("call", ["7", -1, True, 2**53, 1.5, None])
 def test_a_call_number_that_is_not_a_whole_number_is_refused_naming_it(server, call):
-    client = RegionClient(region_socket(server), None)
+    client = RegionConnection(region_socket(server), None)
     try:
         region = ClientRegion(client, 1 << 20)
         places, _ = lay_out(region, 4, lse=False)
@@ -316,7 +316,7 @@ def test_a_call_number_that_is_not_a_whole_number_is_refused_naming_it(server, c
 
 def test_a_half_sent_call_frame_is_cut_at_the_frame_deadline(tmp_path):
     with serve(tmp_path, workers=1, header_timeout_s=1) as s:
-        client = RegionClient(region_socket(s), None)
+        client = RegionConnection(region_socket(s), None)
         try:
             sock = client._sock
             frame = json.dumps(_call_frame({})).encode()

@@ -48,7 +48,7 @@ from .protocol import (
     send_frame,
 )
 
-__all__ = ["ClientRegion", "Layout", "RegionClient", "RegionSet", "prefill_fields"]
+__all__ = ["ClientRegion", "Layout", "RegionConnection", "RegionSet", "prefill_fields"]
 
 ALIGN = 64
 MIN_SCRATCH = 16 << 20
@@ -59,7 +59,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class RegionClient:
+class RegionConnection:
     """One connection to one service's region socket; one request at a time (a lock).
 
     `timeout` bounds each exchange as a whole (send, wait, read), whatever the other end does;
@@ -162,7 +162,7 @@ class RegionClient:
 
 def prefill_fields(places: Mapping[str, TensorPlace], options: Mapping[str, str]) -> bytes:
     """The fields of the `prefill` frame of a request naming `places`, with `options` (the
-    regions JSON; `RegionClient.try_call` numbers it). An orchestrator sends the same ones
+    regions JSON; `RegionConnection.try_call` numbers it). An orchestrator sends the same ones
     layer after layer: the last `FRAMES_KEPT` made are kept (~10 us of JSON, ~1 us kept)."""
     return _prefill_fields(tuple(places.items()), tuple(options.items()))
 
@@ -192,11 +192,11 @@ class ClientRegion:
     """A registered memfd, mapped here; its pages are allocated before it is registered (the
     service refuses a region with holes: its memory is the client's to pay for)."""
 
-    def __init__(self, client: RegionClient, nbytes: int) -> None:
+    def __init__(self, connection: RegionConnection, nbytes: int) -> None:
         fd = create_sealed_memfd(nbytes)
         try:
             self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-            self.handle = client.register(fd)
+            self.handle = connection.register(fd)
         finally:
             os.close(fd)
         self.nbytes = nbytes
@@ -272,8 +272,8 @@ class Layout:
 class RegionSet:
     """The regions a client holds in one service."""
 
-    def __init__(self, client: RegionClient) -> None:
-        self.client = client
+    def __init__(self, connection: RegionConnection) -> None:
+        self.connection = connection
         self._lock = threading.Lock()  # guards the lists below
         self._free: list[ClientRegion] = []
         self._own: list[ClientRegion] = []  # behind empty() tensors
@@ -284,7 +284,7 @@ class RegionSet:
         n = dtype.itemsize
         for d in shape:
             n *= d
-        region = ClientRegion(self.client, max(_aligned(n), ALIGN))
+        region = ClientRegion(self.connection, max(_aligned(n), ALIGN))
         t = region.tensor(0, shape, dtype)
         with self._lock:
             self._own.append(region)
@@ -300,7 +300,7 @@ class RegionSet:
             gone, self._gone = self._gone, []
             self._own = [r for r in self._own if r.handle not in gone]
         for handle in gone:
-            self.client.unregister(handle)
+            self.connection.unregister(handle)
 
     def where(self, t: torch.Tensor) -> TensorPlace | None:
         return self._where_all({"t": t})["t"]
@@ -326,7 +326,7 @@ class RegionSet:
             if region is not None:
                 self._free.remove(region)
         if region is None:
-            region = ClientRegion(self.client, max(MIN_SCRATCH, _aligned(nbytes) * 5 // 4))
+            region = ClientRegion(self.connection, max(MIN_SCRATCH, _aligned(nbytes) * 5 // 4))
         try:
             yield region
         finally:
@@ -334,7 +334,7 @@ class RegionSet:
                 self._free.append(region)
                 self._free.sort(key=lambda r: -r.nbytes)
                 while len(self._free) > 2:  # keep the two largest: concurrent callers reuse them
-                    self.client.unregister(self._free.pop().handle)
+                    self.connection.unregister(self._free.pop().handle)
 
     @contextlib.contextmanager
     def request(
@@ -378,4 +378,4 @@ class RegionSet:
             yield Layout(places, out_view, lse.view if lse is not None else None)
 
     def close(self) -> None:
-        self.client.close()
+        self.connection.close()
