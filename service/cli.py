@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
+
+from zen_mla import InvalidInputError
+from zen_mla.envs import DEFAULT_URL, LOCAL, ZEN_MLA_URL
 
 from .settings import Settings
 
@@ -128,13 +130,19 @@ def _health(args: argparse.Namespace) -> int:
     one is ready."""
     import httpx
 
-    urls = [u.strip().rstrip("/") for u in args.url.split(",") if u.strip()]
-    if not urls or any(u.lower() == "local" for u in urls):
+    try:
+        urls = ZEN_MLA_URL.read() if args.url is None else ZEN_MLA_URL.check(args.url)
+    except InvalidInputError:  # nothing but blanks and commas
+        urls = ()
+    if not urls or any(u.lower() == LOCAL for u in urls):
+        given = ZEN_MLA_URL.name if args.url is None else "URL"
         print(
-            f"zen-mla health: expected the service's URL (http://host:port), got {args.url!r}",
+            f"zen-mla health: {given}: expected the service's URL (http://host:port), got "
+            f"{','.join(urls)!r}",
             file=sys.stderr,
         )
         return 2
+    urls = tuple(u.rstrip("/") for u in urls)
     ready = True
     for url in urls:
         try:
@@ -231,9 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "url",
         nargs="?",
-        default=os.environ.get("ZEN_MLA_URL", "http://127.0.0.1:8000"),
-        help="the service, or several, comma-separated (default: ZEN_MLA_URL, else "
-        "http://127.0.0.1:8000)",
+        help=f"the service, or several, comma-separated (default: ZEN_MLA_URL, else {DEFAULT_URL})",
     )
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(run=_health)

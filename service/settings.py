@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from zen_mla.envs import ZEN_MLA_API_TOKEN
+
 from .tenants import check_shared_token, read_tenants
 
 
@@ -190,11 +192,8 @@ class Settings(BaseSettings):
     @field_validator("api_token")
     @classmethod
     def _token(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().strip():
-            raise ValueError(
-                "api_token (ZEN_MLA_API_TOKEN) is set but empty: an empty token would let "
-                "anyone in. Set a real token, or unset the variable to run without one"
-            )
+        if value is not None:
+            ZEN_MLA_API_TOKEN.check(value.get_secret_value())  # the vLLM backend's rule too
         return value
 
     @field_validator("tenants_file")

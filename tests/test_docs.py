@@ -26,6 +26,7 @@ from pydantic import SecretStr
 from service.cli import build_parser, is_secret
 from service.settings import Settings
 from zen_mla import errors
+from zen_mla.envs import VARIABLES, Variable
 from zen_mla.errors import STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -707,14 +708,13 @@ def check_env_vars(doc_name: str, text: str) -> list[str]:
 
 
 def check_library_environment(doc_name: str, text: str) -> list[str]:
-    """The `Environment of the library` table: each variable read by the code, its default the
-    code's (ZEN_MLA_URL's: zen_mla.vllm.settings.DEFAULT_URL), and every variable the library
-    reads by name a row."""
-    from zen_mla.vllm.settings import DEFAULT_URL
-
+    """The `Environment of the library` table: a row for each variable of `zen_mla.envs`'s
+    table, its default cell the table's `shown` and its meaning beginning with the table's
+    (links and detail may follow); and for each variable the code still reads by name (setup.py
+    at install: it cannot import the package it builds), its default the code's."""
     section = _section(text, "Environment of the library")
     if section is None:
-        return []
+        return [f"{doc_name}:1: no `## Environment of the library...` section"]
     offset, body = section
     reads = _env_reads()
     problems, named = [], set()
@@ -726,14 +726,15 @@ def check_library_environment(doc_name: str, text: str) -> list[str]:
             continue
         for name in variables:
             named.add(name)
-            if name not in reads and name not in _settings_variables():
+            if name in VARIABLES:
+                problems += _table_row_problems(where, VARIABLES[name], cells)
+                continue
+            if name not in reads:
                 problems.append(f"{where}: `{name}`: no code reads it")
                 continue
             if len(cells) < 2:
                 continue
-            given = {d for d in reads.get(name, []) if d is not _MISSING and d != ""}
-            if name == "ZEN_MLA_URL":
-                given = {DEFAULT_URL}
+            given = {d for d in reads[name] if d is not _MISSING and d != ""}
             value = _value(cells[1])
             if len(given) > 1:
                 problems.append(f"{where}: the code reads `{name}` with defaults {sorted(given)}")
@@ -744,11 +745,55 @@ def check_library_environment(doc_name: str, text: str) -> list[str]:
                         f"{where}: `{name}` defaults to {default!r} in the code, the table says "
                         f"{cells[1]!r}"
                     )
-            elif value is None and reads.get(name) and _MISSING not in reads[name]:
+            elif value is None and _MISSING not in reads[name]:
                 problems.append(f"{where}: `{name}` is always read with a default, not none")
     heading = _line(text, offset)
+    for name in sorted(VARIABLES.keys() - named):
+        problems.append(f"{doc_name}:{heading}: `{name}` is in zen_mla/envs.py; the table lacks it")
     for name in sorted(set(reads) - named - _settings_variables()):
-        problems.append(f"{doc_name}:{heading}: the library reads `{name}`; the table lacks it")
+        problems.append(f"{doc_name}:{heading}: the code reads `{name}`; the table lacks it")
+    return problems
+
+
+def _table_row_problems(where: str, variable: Variable[object], cells: list[str]) -> list[str]:
+    """A docs row of a variable of `zen_mla.envs`: its default and meaning as the table's."""
+    if len(cells) < 3:
+        return [f"{where}: `{variable.name}`: expected a default and a meaning cell"]
+    problems = []
+    if cells[1].strip() != variable.shown:
+        problems.append(
+            f"{where}: `{variable.name}` defaults to {variable.shown} in zen_mla/envs.py, the "
+            f"table says {cells[1].strip()}"
+        )
+    if not cells[2].strip().startswith(variable.meaning):
+        problems.append(
+            f"{where}: `{variable.name}`'s meaning should begin as zen_mla/envs.py's: "
+            f"{variable.meaning!r}"
+        )
+    return problems
+
+
+BY_HAND = re.compile(
+    r"""(?:getenv|environ\.get|environ\.pop|environ)\s*[(\[]\s*["'](ZEN_MLA_\w+)"""
+)
+
+
+def check_source_variables(file_name: str, text: str) -> list[str]:
+    """Every ZEN_MLA_ variable a source file names is one of `zen_mla.envs`'s table or a
+    `Settings` field's, and none is read from the environment by hand: a variable read anywhere
+    else would have a second home (and no row in docs/settings.md, whose two tables are held to
+    those two)."""
+    problems = [
+        f"{file_name}:{_line(text, m.start())}: `{m.group(0)}` is in neither zen_mla/envs.py's "
+        "table nor Settings"
+        for m in ENV.finditer(text)
+        if m.group(0) not in VARIABLES and m.group(0) not in _settings_variables()
+    ]
+    problems += [
+        f"{file_name}:{_line(text, m.start())}: `{m.group(1)}` is read by hand; read it through "
+        "zen_mla/envs.py's table (or Settings)"
+        for m in BY_HAND.finditer(text)
+    ]
     return problems
 
 
@@ -961,6 +1006,17 @@ def test_the_library_environment_table_matches_the_code() -> None:
     _assert_none(check_library_environment("docs/settings.md", _read("docs/settings.md")))
 
 
+def test_every_variable_the_source_names_has_one_home() -> None:
+    files = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    _assert_none(
+        [
+            problem
+            for path in files
+            for problem in check_source_variables(str(path.relative_to(ROOT)), path.read_text())
+        ]
+    )
+
+
 def test_the_protocols_status_codes_are_the_services() -> None:
     if not (ROOT / "docs/protocol.md").is_file():
         pytest.skip("docs/protocol.md is not written yet")
@@ -1018,7 +1074,27 @@ PLANTED: dict[str, tuple[Callable[[str, str], list[str]], str, str]] = {
     "library": (
         check_library_environment,
         LIBRARY_ROW.format("`ZEN_MLA_KERNEL`", "`native`"),
-        "`ZEN_MLA_KERNEL` defaults to 'auto'",
+        "`ZEN_MLA_KERNEL` defaults to `auto` in zen_mla/envs.py",
+    ),
+    "library-meaning": (
+        check_library_environment,
+        LIBRARY_ROW.format("`ZEN_MLA_KERNEL`", "`auto`"),
+        "`ZEN_MLA_KERNEL`'s meaning should begin as",
+    ),
+    "library-lacks": (
+        check_library_environment,
+        LIBRARY_ROW.format("`ZEN_MLA_KERNEL`", "`auto`"),
+        "`ZEN_MLA_URL` is in zen_mla/envs.py; the table lacks it",
+    ),
+    "source": (
+        check_source_variables,
+        'os.environ.get("ZEN_MLA_NOPE", "1")',
+        "`ZEN_MLA_NOPE` is in neither",
+    ),
+    "by-hand": (
+        check_source_variables,
+        'os.environ.get("ZEN_MLA_URL", "http://a:1")',
+        "`ZEN_MLA_URL` is read by hand",
     ),
     "route": (check_routes, "`POST /prefil`", "no route `/prefil`"),
     "span-route": (check_routes, "`/v2/model/x`", "no route `/v2/model/x`"),
@@ -1037,6 +1113,10 @@ CLEAN: dict[str, tuple[Callable[[str, str], list[str]], str]] = {
         "`GET /health`, `/v2/models/m[/versions/1]`, `.../ready`, `POST /v2/.../infer`",
     ),
     "env": (check_env_vars, "`ZEN_MLA_URL`, `ZEN_MLA_MAX_QUEUE`, `ZEN_MLA_<FLAG>`"),
+    "source": (
+        check_source_variables,
+        'ZEN_MLA_URL.read(), "ZEN_MLA_MAX_QUEUE", f"ZEN_MLA_{name.upper()}", ZEN_MLA_<FLAG>',
+    ),
 }
 
 

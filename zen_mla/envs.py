@@ -85,15 +85,17 @@ def _endpoints(name: str, text: str) -> tuple[str, ...]:
 
 
 def _token(name: str, text: str) -> str:
-    """A bearer token: anything but blanks. An empty token would let anyone into a service
-    that takes it (so the service refuses to start with one), and a client sending none would
-    get 401 from a guarded service and hide the mistake from an open one."""
+    """A bearer token: anything but blanks, for the service (its `api_token` setting) and the
+    vLLM backend alike. An empty token would let anyone into a service that took it, and a
+    client sending none would get 401 from a guarded service and hide the mistake from an open
+    one."""
     if not text.strip():
         raise InvalidInputError(
             name,
             "a non-empty token, or the variable unset",
-            "an empty string",
-            "An empty token is not a token: set a real one, or unset the variable to run without",
+            "it set but empty",
+            "An empty token is no token: a service would let anyone in, a client would send none. "
+            "Set a real token, or unset the variable to run without one",
         )
     return text
 
@@ -148,8 +150,7 @@ ZEN_MLA_API_TOKEN: Variable[str | None] = Variable(
     None,
     _token,
     "none",
-    "the bearer token the vLLM backend sends (and the service's, a Settings field); set but "
-    "empty: refused by both",
+    "the bearer token the vLLM backend sends; set but empty: refused, as the service refuses it",
 )
 ZEN_MLA_FALLBACK: Variable[bool] = Variable(
     "ZEN_MLA_FALLBACK",
@@ -186,8 +187,9 @@ ZEN_MLA_NATIVE_ISA: Variable[str] = Variable(
     "auto",
     _lower_word("auto"),
     "`auto`",
-    "the native kernel's path: `auto` the best this CPU runs, `avx512` or `avx2`; one the CPU "
-    "lacks, or no path, turns the kernel off",
+    "the native kernel's path: `auto` the best this CPU runs, `avx512` (AVX-512 BF16, AMX where "
+    "present) or `avx2` (AVX2 and FMA: fp32 products, as on EPYC Zen 2 / Zen 3); one the CPU "
+    "lacks, or another word, turns the kernel off, and `/health` says why",
 )
 
 #: every variable of the library, the client and the vLLM backend, by name

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..envs import ZEN_MLA_CACHE_DIR, ZEN_MLA_CALIBRATE
 from .batch import RaggedBatch, random_batch
 from .driver import attend
 from .host import HostFacts
@@ -166,13 +167,12 @@ def build_facts(host: HostFacts) -> dict[str, Any]:
 
 def calibration_enabled() -> bool:
     """False where `ZEN_MLA_CALIBRATE` is 0, false, no or off."""
-    said = os.environ.get("ZEN_MLA_CALIBRATE", "1").strip().lower()
-    return said not in {"0", "false", "no", "off"}
+    return ZEN_MLA_CALIBRATE.read()
 
 
 def cache_path() -> Path:
     """The file the calibrations are kept in."""
-    base = os.environ.get("ZEN_MLA_CACHE_DIR") or os.path.join(
+    base = ZEN_MLA_CACHE_DIR.read() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zen-mla"
     )
     return Path(base) / "calibration.json"

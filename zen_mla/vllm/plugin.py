@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
+from ..envs import ZEN_MLA_URL
 from .backend import BACKEND_NAME
 from .settings import LocalSettings, default_settings
 
@@ -34,7 +34,7 @@ def register() -> None:
     saying what it did. Safe to call again. Raises `zen_mla.InvalidInputError` for settings
     that cannot be read (a bad URL, an empty token), so a misconfiguration stops vLLM at start
     rather than running without the service."""
-    if not os.environ.get("ZEN_MLA_URL", "").strip():
+    if not ZEN_MLA_URL.is_set():
         logger.debug("zen-mla: ZEN_MLA_URL is not set; vLLM's MLA prefill is left as it is")
         return
     settings = default_settings()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,14 @@ import httpx
 
 from ..attention.select import KERNEL_NAMES
 from ..client import PrefillClient
+from ..envs import (
+    DEFAULT_URL,
+    LOCAL,
+    ZEN_MLA_API_TOKEN,
+    ZEN_MLA_FALLBACK,
+    ZEN_MLA_KERNEL,
+    ZEN_MLA_URL,
+)
 from ..errors import InvalidInputError
 
 __all__ = [
@@ -32,13 +39,8 @@ __all__ = [
 
 logger = logging.getLogger("zen_mla.vllm")
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-#: `ZEN_MLA_URL=local`: zen-mla's kernels in vLLM's own process, no service
-LOCAL = "local"
 DEFAULT_CONCURRENCY = 8
 _URL_FORM = "http://host:port or https://host:port (port and path optional)"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +72,8 @@ class RemoteSettings:
             raise InvalidInputError("ZEN_MLA_URL", "one http(s) URL or more", "none")
         for url in self.urls:
             _check_url(url)
-        if self.token is not None and not self.token.strip():
-            # The service refuses to start with an empty token; a client sending none would get
-            # 401 from a guarded service and hide the misconfiguration from an open one.
-            raise InvalidInputError(
-                "ZEN_MLA_API_TOKEN",
-                "a non-empty token, or the variable unset",
-                "an empty string",
-                "An empty token is not a token",
-            )
+        if self.token is not None:
+            ZEN_MLA_API_TOKEN.check(self.token)  # the service's rule too
         if self.max_concurrency < 1:
             raise InvalidInputError("max_concurrency", "1 or more", str(self.max_concurrency))
         for name in ("health_timeout_s", "request_timeout_s", "probe_interval_s"):
@@ -93,19 +88,15 @@ class RemoteSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RemoteSettings:
-        """From `ZEN_MLA_URL` (comma-separated for several endpoints; default
-        `http://127.0.0.1:8000`), `ZEN_MLA_API_TOKEN` (unset: no token; set but empty:
-        refused, as the service refuses it) and `ZEN_MLA_FALLBACK` (`1`, the default: compute
-        locally while the service is down; `0`: raise)."""
-        env = os.environ if environ is None else environ
-        raw = env.get("ZEN_MLA_URL", DEFAULT_URL)
-        urls = tuple(u.strip() for u in raw.split(",") if u.strip())
-        fallback = env.get("ZEN_MLA_FALLBACK", "1").strip().lower()
-        if fallback not in _TRUE + _FALSE:
-            raise InvalidInputError(
-                "ZEN_MLA_FALLBACK", "1 or 0 (true/false, yes/no, on/off)", repr(fallback)
-            )
-        return cls(urls=urls, token=env.get("ZEN_MLA_API_TOKEN"), fallback=fallback in _TRUE)
+        """From `ZEN_MLA_URL` (comma-separated for several endpoints; default `DEFAULT_URL`),
+        `ZEN_MLA_API_TOKEN` (unset: no token; set but empty: refused, as the service refuses
+        it) and `ZEN_MLA_FALLBACK` (`1`, the default: compute locally while the service is
+        down; `0`: raise), as `zen_mla.envs` reads them (`environ`: default `os.environ`)."""
+        return cls(
+            urls=ZEN_MLA_URL.read(environ),
+            token=ZEN_MLA_API_TOKEN.read(environ),
+            fallback=ZEN_MLA_FALLBACK.read(environ),
+        )
 
 
 def _check_url(url: str) -> None:
@@ -155,8 +146,7 @@ class LocalSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LocalSettings:
         """From `ZEN_MLA_KERNEL` (default `auto`)."""
-        env = os.environ if environ is None else environ
-        return cls(kernel=env.get("ZEN_MLA_KERNEL", "auto").strip() or "auto")
+        return cls(kernel=ZEN_MLA_KERNEL.read(environ))
 
 
 #: where vLLM's MLA prefill is computed
@@ -165,10 +155,9 @@ Settings = RemoteSettings | LocalSettings
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """`LocalSettings` where `ZEN_MLA_URL` is `local`, else `RemoteSettings`."""
-    env = os.environ if environ is None else environ
-    if env.get("ZEN_MLA_URL", "").strip().lower() == LOCAL:
-        return LocalSettings.from_env(env)
-    return RemoteSettings.from_env(env)
+    if [url.lower() for url in ZEN_MLA_URL.read(environ)] == [LOCAL]:
+        return LocalSettings.from_env(environ)
+    return RemoteSettings.from_env(environ)
 
 
 @functools.cache

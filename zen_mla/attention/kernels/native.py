@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
 
 import torch
 
+from ...envs import ZEN_MLA_NATIVE_ISA
 from ..batch import SMALL_BATCH, RaggedBatch
 from ..host import HostFacts, cpu_facts
 from .base import AttentionKernel, KernelCall
@@ -63,7 +63,7 @@ AVX2_BLOCKS = (128, 256)
 PATHS = ("avx512", "avx2")
 #: the environment variable that makes the kernel take one path (`PATHS`; `auto`, the default:
 #: the best this CPU runs), e.g. to run and measure the AVX2 path on an AVX-512 host
-ISA_VARIABLE = "ZEN_MLA_NATIVE_ISA"
+ISA_VARIABLE = ZEN_MLA_NATIVE_ISA.name
 #: the packed K and V of a call take at most twice the bytes of k and v on the AVX-512 path (once
 #: them on the AVX2 path, whose fp32 packing takes twice bf16's), or this where that is less (a
 #: whole head where one takes more): past it, heads are packed and attended a group at a time.
@@ -137,7 +137,7 @@ def native_module() -> tuple[ModuleType | None, str | None]:
             why = f"it was not built ({exc})"
         return None, f"zen-mla's native kernel is not available: {why}"
     paths = module.cpu_paths()
-    wanted = _wanted_isa()
+    wanted = ZEN_MLA_NATIVE_ISA.read()
     if wanted not in ("auto", *PATHS):
         return None, (
             f"{ISA_VARIABLE} must be auto, {' or '.join(PATHS)}, not {wanted!r}: zen-mla's "
@@ -160,10 +160,6 @@ def native_module() -> tuple[ModuleType | None, str | None]:
 _NEEDS = {"avx512": "AVX-512 BF16", "avx2": "AVX2 with FMA"}
 
 
-def _wanted_isa() -> str:
-    return os.environ.get("ZEN_MLA_NATIVE_ISA", "auto").strip().lower() or "auto"
-
-
 @functools.cache
 def native_isa() -> str:
     """The path the kernel takes here (`PATHS`): the one `ZEN_MLA_NATIVE_ISA` names, else the
@@ -171,7 +167,7 @@ def native_isa() -> str:
     module = native_module()[0]
     if module is None:
         return ""
-    wanted = _wanted_isa()
+    wanted = ZEN_MLA_NATIVE_ISA.read()
     return str(module.cpu_paths()[0]) if wanted == "auto" else wanted
 
 
