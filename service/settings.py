@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from zen_mla.envs import ZEN_MLA_API_TOKEN
 
-from .tenants import check_shared_token, read_tenants
+from .tenants import TenantsFile, check_shared_token
 
 
 class Settings(BaseSettings):
@@ -199,9 +199,9 @@ class Settings(BaseSettings):
     @field_validator("tenants_file")
     @classmethod
     def _tenants(cls, value: str | None) -> str | None:
-        if value is not None:
-            read_tenants(value)  # a file that cannot be read or parsed stops the start
-        return value
+        # read once, here: a file that cannot be read or parsed stops the start, and what was
+        # read goes with the path (`Tenants.from_settings` takes it)
+        return None if value is None else TenantsFile.read(value)
 
     @model_validator(mode="after")
     def _budget(self) -> Settings:
@@ -223,10 +223,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _shared_token(self) -> Settings:
-        if self.api_token is not None and self.tenants_file is not None:
+        if self.api_token is not None and isinstance(self.tenants_file, TenantsFile):
             check_shared_token(
                 self.api_token.get_secret_value(),
-                read_tenants(self.tenants_file),
+                self.tenants_file.tokens,
                 f"tenants file {self.tenants_file}",
             )
         return self

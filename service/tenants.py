@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zen_mla import UnauthorizedError
 
-__all__ = ["SHARED_TENANT", "Tenants", "check_shared_token", "read_tenants"]
+__all__ = ["SHARED_TENANT", "Tenants", "TenantsFile", "check_shared_token", "read_tenants"]
 
 #: the tenant of the shared `api_token` where tenants have tokens of their own (no tenant of a
 #: file is named so: `NAME`s are `_NAME`)
@@ -60,6 +60,27 @@ def read_tenants(path: str) -> dict[str, str]:
     return tokens
 
 
+class TenantsFile(str):
+    """A tenants file's path, with the tenants it named when it was read (`tokens`, as
+    `read_tenants` gives them): `Settings` reads the file once, at start, and `Tenants` take
+    what it read. Shown, it is the path alone."""
+
+    tokens: dict[str, str]
+
+    def __new__(cls, path: str, tokens: dict[str, str]) -> TenantsFile:
+        file = super().__new__(cls, path)
+        file.tokens = tokens
+        return file
+
+    def __getnewargs__(self) -> tuple[str, dict[str, str]]:  # type: ignore[override]
+        return str(self), self.tokens  # pickled with its tenants: not read again
+
+    @classmethod
+    def read(cls, path: str) -> TenantsFile:
+        """The file at `path`, read (ValueError as `read_tenants`)."""
+        return cls(path, read_tenants(path))
+
+
 def check_shared_token(
     shared: str | None, tenants: dict[str, str], where: str = "the tenants file"
 ) -> None:
@@ -94,7 +115,16 @@ class Tenants:
 
     @classmethod
     def from_settings(cls, api_token: str | None, tenants_file: str | None) -> Tenants:
-        return cls(api_token, read_tenants(tenants_file) if tenants_file else None)
+        """The tenants of the settings: `tenants_file` as `Settings` read it at start (a
+        `TenantsFile`), or a path, read now."""
+        if not tenants_file:
+            return cls(api_token)
+        file = (
+            tenants_file
+            if isinstance(tenants_file, TenantsFile)
+            else TenantsFile.read(tenants_file)
+        )
+        return cls(api_token, file.tokens)
 
     def client(self, token: str | None) -> Hashable | None:
         """The client `token` names: `("tenant", name)` where tenants have tokens, None where
