@@ -6,6 +6,7 @@ thread environment first. The names below load on first use.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 from . import errors
@@ -31,7 +32,10 @@ __all__ = [
 ]
 __all__ += errors.__all__
 
-__version__ = "0.2.0"
+try:  # pyproject.toml's, as the install recorded it
+    __version__ = importlib.metadata.version("zen-mla")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "KernelChoice": ".attention",
