@@ -73,7 +73,7 @@ class TenantsFile(str):
         return file
 
     def __getnewargs__(self) -> tuple[str, dict[str, str]]:  # type: ignore[override]
-        return str(self), self.tokens  # pickled with its tenants: not read again
+        return str(self), self.tokens  # a copy keeps its tenants: the file is not read again
 
     @classmethod
     def read(cls, path: str) -> TenantsFile:
