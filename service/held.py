@@ -1,7 +1,8 @@
 """What one request holds from its admission to its release, in one owner: its share of the
 admission (`Ticket`: an upload slot, a queue place, bytes of the budget by kind) and the
-engine's buffers its bytes and its work live in. The body reader takes its buffer from here
-and the pipeline gives everything back here; nobody else takes or returns a request's buffers.
+engine's buffers its bytes and its work live in. The body reader takes its buffer from here and
+never gives it back; the buffers a form makes as it decodes (a gRPC message's copy, staging)
+are handed here with its work (`keep`); the pipeline gives everything back here.
 """
 
 from __future__ import annotations
