@@ -106,6 +106,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"zen-mla serve: {exc}", file=sys.stderr)
         return 2
+    if args.own_process:
+        from .memory import exec_with_huge_pages
+
+        exec_with_huge_pages()  # returns once the tunable is set, in this process or its start
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     import torch
 
@@ -262,4 +266,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.own_process = argv is None  # the process's own command line: it may start anew
     sys.exit(args.run(args))

@@ -14,15 +14,30 @@ back to the system once the message is let go, not kept resident by glibc for la
   below a small block allocated above it meanwhile (seen: 378 MiB kept after six 200 MiB
   messages, the threshold fixed).
 
-Both do nothing where the C library has neither call (not glibc)."""
+- `exec_with_huge_pages`: the service process started again with glibc's tunable
+  `glibc.malloc.hugetlb=1`, so those mappings are backed by transparent huge pages: a 64 MiB
+  message is faulted in as 32 pages, not 16,384 (measured by `bench/e2e.py`: the gRPC routes
+  took 1.2-1.6x their time with 4 KiB pages, the v2 binary route up to 1.25x).
+
+All do nothing where the C library is not glibc."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["TRIM_BYTES", "TRIM_DELAY_S", "Trim", "map_large_allocations"]
+__all__ = [
+    "HUGE_PAGES",
+    "TRIM_BYTES",
+    "TRIM_DELAY_S",
+    "Trim",
+    "exec_with_huge_pages",
+    "map_large_allocations",
+]
 
 # glibc's mallopt parameter: the size from which a block is mapped on its own
 M_MMAP_THRESHOLD = -3
@@ -37,6 +52,37 @@ def _libc_call(name: str) -> Any:
         return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
+
+
+#: glibc's tunable for transparent huge pages under malloc's own mappings (glibc 2.35 and later;
+#: an older one ignores it)
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def exec_with_huge_pages() -> None:
+    """This process started again in place (`exec`: the same pid, the same argv) with
+    `HUGE_PAGES` among its GLIBC_TUNABLES, which glibc reads only when a process starts. Nothing
+    where GLIBC_TUNABLES names `glibc.malloc.hugetlb` already (the operator's choice, or the
+    second start), where the C library is not glibc, or where the system has transparent huge
+    pages off. Call it first, before threads or anything worth keeping exist."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables or not _glibc():
+        return
+    try:
+        if "[never]" in _THP.read_text():
+            return
+    except OSError:
+        return  # no transparent huge pages here
+    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES
+    os.execv(sys.executable, sys.orig_argv)
+
+
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
 
 
 def map_large_allocations(threshold: int = 32 << 20) -> None:
