@@ -1,19 +1,19 @@
 """Admission: what the requests let in hold (an upload slot while the body is read, a queue
-place once it is in, bytes of the budget for what the service spends on them), each client's
+place once it is in, bytes of the budget for what the service spends on them), each caller's
 share of them, and each request's share, its `Ticket`.
 
-A client is whom the operator says (`client_of`, `tenants`): the tenant a token names, else the
-peer's uid on the region socket, the peer's address on TCP. Shares are work-conserving: while
-places are free anyone takes one, so a client alone may use every slot, place and byte (the
-ranks of one orchestrator, often one uid or one address, are not slowed by a cap meant for
-strangers). Once they are all taken, a client holding less than its share (the cap over the
-clients holding any, itself counted) takes one more, up to one and a half caps, and a client
-holding nothing takes one all the same, up to a hard ceiling (`Shares`): for slots and places
-the cap plus the connection cap (each holds a connection or a socket call, so however many
-addresses or tenants hold one, a newcomer gets one), for bytes twice the budget. So a flood
+A caller (`zen_mla.caller.Caller`) is whom the operator says (`tenants`): the tenant a token
+names, else the peer's uid on the region socket, the peer's address on TCP. Shares are
+work-conserving: while places are free anyone takes one, so a caller alone may use every slot,
+place and byte (the ranks of one orchestrator, often one uid or one address, are not slowed by a
+cap meant for strangers). Once they are all taken, a caller holding less than its share (the cap
+over the callers holding any, itself counted) takes one more, up to one and a half caps, and a
+caller holding nothing takes one all the same, up to a hard ceiling (`Shares`): for slots and
+places the cap plus the connection cap (each holds a connection or a socket call, so however
+many addresses or tenants hold one, a newcomer gets one), for bytes twice the budget. So a flood
 holds the others off no longer than its first places take.
 
-The bytes charged are what the service will hold for a request, not what its client sends: its
+The bytes charged are what the service will hold for a request, not what its caller sends: its
 body's bytes as they arrive; before it is queued, the memory its kernel will allocate (padding,
 packing and tiles, `PrefillRequest.cost`) and its answer's; the kernel's once the work is done,
 the body's once its buffers are back, the answer's once its last byte is sent (`Charge`). A
@@ -24,10 +24,10 @@ A body being read holds an upload slot (`max_uploads`), never a compute slot: `m
 counts only requests whose body is in. A small body (`SMALL_BODY` bytes at most: a regions
 JSON, a one-token safetensors) holds no slot, so no upload, however many, keeps it waiting. With
 the slots full and no share free, a new upload takes the slot of an upload past its grace that
-has fallen behind the minimum rate (answered 408), from the client holding the most: an upload
+has fallen behind the minimum rate (answered 408), from the caller holding the most: an upload
 keeping up with the advertised minimum rate is never cut off for another, nor one in its grace
 (what the service has read of a body in its first moments says how busy the service was, not
-how fast the client sends: a 64 MB body sent at once was cut at 0.1 s, 0 bytes read, on a
+how fast the caller sends: a 64 MB body sent at once was cut at 0.1 s, 0 bytes read, on a
 16-core Intel host under load).
 
 Every gRPC call holds a place among the calls open (`grpc_max_calls`, shared as the others are)
@@ -41,10 +41,10 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from zen_mla import QueueFullError
+from zen_mla.caller import Caller
 
 from .settings import Settings
 
@@ -55,8 +55,6 @@ __all__ = [
     "Charge",
     "Shares",
     "Ticket",
-    "client_name",
-    "client_of",
 ]
 
 # Bytes an upload may lag behind the minimum rate before it counts as fallen behind: a body
@@ -69,57 +67,38 @@ SMALL_BODY = 16 << 10
 HELD_KINDS = ("body", "kernel", "answer")
 
 
-def client_of(peer: object) -> Hashable:
-    """The client a connection's peer is, as admission counts it where no tenant token names
-    one: `("uid", n)` for a region socket peer, `("addr", host)` for a TCP peer (the address a
-    trusted proxy forwarded, where the operator names proxies), `("local",)` where the peer has
-    no address (a Unix socket for HTTP)."""
-    if isinstance(peer, int):
-        return ("uid", peer)
-    if isinstance(peer, str) and peer:
-        return ("addr", peer)
-    return ("local",)
-
-
-def client_name(client: Hashable) -> str:
-    """A client as the log line names it: `addr:10.0.0.1`, `uid:1000`, `tenant:team-a`."""
-    if isinstance(client, tuple):
-        return ":".join(str(part) for part in client)
-    return str(client)
-
-
 class Shares:
-    """`cap` units of one thing (upload slots, queue places, bytes), held by clients; never
-    more than `ceiling` in all. Past the cap, a client holding some may grow within its share
-    only to `cap * 1.5`: the rest, to the ceiling, is kept for clients holding none."""
+    """`cap` units of one thing (upload slots, queue places, bytes), held by callers; never
+    more than `ceiling` in all. Past the cap, a caller holding some may grow within its share
+    only to `cap * 1.5`: the rest, to the ceiling, is kept for callers holding none."""
 
     def __init__(self, cap: int, ceiling: int) -> None:
         self.cap = cap
         self.ceiling = ceiling
         self.shared = min(ceiling, cap + cap // 2)
         self.total = 0
-        self.held: Counter[Hashable] = Counter()
+        self.held: Counter[Caller | None] = Counter()
 
-    def room(self, client: Hashable, n: int = 1) -> bool:
-        """May `client` take `n` more: while the cap allows; past it, when it holds nothing
-        (up to the ceiling), or within its share (the cap over the clients holding any)."""
+    def room(self, caller: Caller | None, n: int = 1) -> bool:
+        """May `caller` take `n` more: while the cap allows; past it, when it holds nothing
+        (up to the ceiling), or within its share (the cap over the callers holding any)."""
         after = self.total + n
         if after <= self.cap:
             return True
-        mine = self.held[client]
+        mine = self.held[caller]
         if mine == 0:
             return after <= self.ceiling
         return after <= self.shared and mine + n <= self.cap // len(self.held)
 
-    def take(self, client: Hashable, n: int = 1) -> None:
+    def take(self, caller: Caller | None, n: int = 1) -> None:
         self.total += n
-        self.held[client] += n
+        self.held[caller] += n
 
-    def give(self, client: Hashable, n: int = 1) -> None:
+    def give(self, caller: Caller | None, n: int = 1) -> None:
         self.total -= n
-        self.held[client] -= n
-        if self.held[client] <= 0:
-            del self.held[client]
+        self.held[caller] -= n
+        if self.held[caller] <= 0:
+            del self.held[caller]
 
 
 @dataclass
@@ -138,7 +117,7 @@ class Admission:
 
     def __post_init__(self) -> None:
         s = self.settings
-        # A client holding no slot or place gets one while any connection could still ask:
+        # A caller holding no slot or place gets one while any connection could still ask:
         # every upload and every queued request holds one, and they are capped. The bytes are
         # the memory, held to twice the budget.
         self.slots = Shares(s.max_uploads, s.max_uploads + s.max_connections)
@@ -159,60 +138,60 @@ class Admission:
     def inflight_bytes(self) -> int:
         return self.bytes.total
 
-    def check_queue(self, client: Hashable = None) -> None:
-        """A queue place is free for `client` now, or QueueFullError (429)."""
-        if not self.places.room(client):
-            mine = self.places.held[client]
+    def check_queue(self, caller: Caller | None = None) -> None:
+        """A queue place is free for `caller` now, or QueueFullError (429)."""
+        if not self.places.room(caller):
+            mine = self.places.held[caller]
             raise QueueFullError(
                 f"{self.places.total} requests are queued or running ({mine} of them this "
-                "client's)",
+                "caller's)",
                 retry_after=1,
             )
 
-    def admit(self, nbytes: int, client: Hashable = None) -> Ticket:
+    def admit(self, nbytes: int, caller: Caller | None = None) -> Ticket:
         """The request's share for a body of `nbytes` still to be read: an upload slot unless
         the body is small, or QueueFullError (429)."""
         slot = nbytes > SMALL_BODY
-        if slot and not self.slots.room(client) and not self._displace(client):
+        if slot and not self.slots.room(caller) and not self._displace(caller):
             raise QueueFullError(
                 f"{len(self.reading)} request bodies are being read "
-                f"({self.slots.held[client]} of them this client's)",
+                f"({self.slots.held[caller]} of them this caller's)",
                 1,
             )
-        ticket = Ticket(self, nbytes, client)
+        ticket = Ticket(self, nbytes, caller)
         self.inflight += 1
         if slot:
             self.reading[ticket] = None
-            self.slots.take(client)
+            self.slots.take(caller)
         return ticket
 
-    def admit_read(self, nbytes: int, client: Hashable = None) -> Ticket:
+    def admit_read(self, nbytes: int, caller: Caller | None = None) -> Ticket:
         """A request whose body is in already (a region-socket frame, read by the socket's one
         frame reader): no upload slot to hold, a queue check and its bytes charged now, or
         QueueFullError (429)."""
-        self.check_queue(client)
-        ticket = Ticket(self, nbytes, client)
+        self.check_queue(caller)
+        ticket = Ticket(self, nbytes, caller)
         self.charge(ticket, nbytes)
         self.inflight += 1
         return ticket
 
-    def open_call(self, client: Hashable) -> None:
-        """A place among the gRPC calls open for `client`'s new call, or QueueFullError (429);
+    def open_call(self, caller: Caller | None) -> None:
+        """A place among the gRPC calls open for `caller`'s new call, or QueueFullError (429);
         `close_call` gives it back."""
-        if not self.calls.room(client):
+        if not self.calls.room(caller):
             raise QueueFullError(
-                f"{self.calls.total} gRPC calls are open ({self.calls.held[client]} of them this "
-                "client's)",
+                f"{self.calls.total} gRPC calls are open ({self.calls.held[caller]} of them this "
+                "caller's)",
                 retry_after=1,
             )
-        self.calls.take(client)
+        self.calls.take(caller)
 
-    def close_call(self, client: Hashable) -> None:
-        self.calls.give(client)
+    def close_call(self, caller: Caller | None) -> None:
+        self.calls.give(caller)
 
-    def _displace(self, client: Hashable) -> bool:
+    def _displace(self, caller: Caller | None) -> bool:
         """Cut off an upload past its grace that has fallen behind the minimum rate, of the
-        client holding the most slots, for `client`'s new one; False if every upload keeps up."""
+        caller holding the most slots, for `caller`'s new one; False if every upload keeps up."""
         rate, grace = self.settings.min_body_rate, self.settings.body_grace_s
         if rate <= 0:
             return False
@@ -227,10 +206,10 @@ class Admission:
         if not behind:
             return False
         held = self.slots.held
-        # the slowest of the client holding the most (the newcomer's own count as one more)
+        # the slowest of the caller holding the most (the newcomer's own count as one more)
         victim = max(
             behind,
-            key=lambda t: (held[t.client] + (t.client == client), -t.got / (now - t.started)),
+            key=lambda t: (held[t.caller] + (t.caller == caller), -t.got / (now - t.started)),
         )
         victim.displace()
         return True
@@ -240,33 +219,33 @@ class Admission:
         "answer"), or QueueFullError (429)."""
         if nbytes <= 0:
             return
-        if not self.bytes.room(ticket.client, nbytes):
+        if not self.bytes.room(ticket.caller, nbytes):
             raise QueueFullError(
                 f"{self.bytes.total} bytes are held for requests "
-                f"({self.bytes.held[ticket.client]} of them for this client's); {nbytes} more "
+                f"({self.bytes.held[ticket.caller]} of them for this caller's); {nbytes} more "
                 f"({kind}) would pass the {self.bytes.cap} byte budget",
                 retry_after=1,
             )
-        self.take(ticket.client, kind, nbytes)
+        self.take(ticket.caller, kind, nbytes)
         ticket.held[kind] += nbytes
 
-    def take(self, client: Hashable, kind: str, nbytes: int) -> None:
-        self.bytes.take(client, nbytes)
+    def take(self, caller: Caller | None, kind: str, nbytes: int) -> None:
+        self.bytes.take(caller, nbytes)
         self.held_bytes[kind] += nbytes
 
-    def give(self, client: Hashable, kind: str, nbytes: int) -> None:
+    def give(self, caller: Caller | None, kind: str, nbytes: int) -> None:
         if nbytes:
-            self.bytes.give(client, nbytes)
+            self.bytes.give(caller, nbytes)
             self.held_bytes[kind] -= nbytes
 
 
 class Ticket:
     """One request's share of `Admission`; `close()` gives back whatever it still holds."""
 
-    def __init__(self, admission: Admission, nbytes: int, client: Hashable = None) -> None:
+    def __init__(self, admission: Admission, nbytes: int, caller: Caller | None = None) -> None:
         self._admission = admission
         self.nbytes = nbytes  # as announced
-        self.client = client
+        self.caller = caller
         self.started = time.monotonic()
         self.got = 0  # body bytes in so far
         self.held: Counter[str] = Counter()  # bytes of the budget held, by kind
@@ -299,31 +278,31 @@ class Ticket:
         excess = self.held[kind] - nbytes
         if excess > 0:
             self.held[kind] -= excess
-            self._admission.give(self.client, kind, excess)
+            self._admission.give(self.caller, kind, excess)
 
     def refund(self, kind: str) -> None:
         """The bytes held for `kind` back to the budget."""
-        self._admission.give(self.client, kind, self.held.pop(kind, 0))
+        self._admission.give(self.caller, kind, self.held.pop(kind, 0))
 
     def keep(self, kind: str) -> Charge:
         """The bytes held for `kind`, moved out of this ticket into a `Charge` of their own
         (held past the ticket's close: an answer's until its last byte is sent)."""
-        return Charge(self._admission, self.client, kind, self.held.pop(kind, 0))
+        return Charge(self._admission, self.caller, kind, self.held.pop(kind, 0))
 
     def uploaded(self) -> None:
         """The body is in (or its read ended): its upload slot, if it held one, is free."""
         a = self._admission
         if self in a.reading:
             del a.reading[self]
-            a.slots.give(self.client)
+            a.slots.give(self.caller)
 
     def enqueue(self) -> None:
         """A queue place, or QueueFullError (429)."""
         self.uploaded()
         a = self._admission
-        a.check_queue(self.client)
+        a.check_queue(self.caller)
         self._queued = True
-        a.places.take(self.client)
+        a.places.take(self.caller)
 
     def close(self) -> None:
         if not self._open:
@@ -332,28 +311,28 @@ class Ticket:
         self.uploaded()
         a = self._admission
         if self._queued:
-            a.places.give(self.client)
+            a.places.give(self.caller)
         for kind, nbytes in self.held.items():
-            a.give(self.client, kind, nbytes)
+            a.give(self.caller, kind, nbytes)
         self.held.clear()
         a.inflight -= 1
 
 
 class Charge:
-    """Bytes of the budget held for `client` apart from any ticket; `close()` gives them back,
+    """Bytes of the budget held for `caller` apart from any ticket; `close()` gives them back,
     once. Owner: the event loop's thread, as `Admission`'s; `close_soon()` may be called from
     any thread (a buffer's finalizer) and closes it there."""
 
-    def __init__(self, admission: Admission, client: Hashable, kind: str, nbytes: int) -> None:
+    def __init__(self, admission: Admission, caller: Caller | None, kind: str, nbytes: int) -> None:
         self._admission = admission
-        self.client = client
+        self.caller = caller
         self.kind = kind
         self.nbytes = nbytes
         self._loop = asyncio.get_running_loop()
 
     def close(self) -> None:
         nbytes, self.nbytes = self.nbytes, 0
-        self._admission.give(self.client, self.kind, nbytes)
+        self._admission.give(self.caller, self.kind, nbytes)
 
     def close_soon(self) -> None:
         # a closed loop: the service is gone, and its counters with it

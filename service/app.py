@@ -113,7 +113,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
             max_regions=s.system_shm_max_regions,
             max_bytes=s.system_shm_max_bytes,
             adopt=engine.adopt,
-            by_client=state.tenants.named,  # each tenant its own regions
+            by_caller=state.tenants.named,  # each tenant its own regions
         )
     path = s.regions_socket
     if path is None:
@@ -127,7 +127,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     server = RegionServer(
         path,
         registry,
-        authorize=state.tenants.client if state.tenants.required else None,
+        authorize=state.tenants.caller if state.tenants.required else None,
         max_clients=s.shm_max_clients,
         instance=state.instance,
         # the HTTP door's rule for a request's head holds for hello and for every frame

@@ -1,5 +1,5 @@
 """How a request came in, as the pipeline (`pipeline`) needs to know it (`Door`): who sent it
-(the client admission counts), whether its token is good, how many bytes it brings and whether
+(the caller admission counts), whether its token is good, how many bytes it brings and whether
 they are in already, and when its sender hangs up. Three doors: an HTTP request (`HttpDoor`),
 whose body is still to come in ASGI messages; a prefill frame on the region socket (`CallDoor`),
 whose bytes the socket's one frame reader read already; and a gRPC call (`GrpcDoor`), whose one
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Hashable, MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from typing import Any, Protocol
 from urllib.parse import unquote
 
@@ -24,8 +24,8 @@ from zen_mla import (
     UnauthorizedError,
     WireFormatError,
 )
+from zen_mla.caller import Caller
 
-from .admission import client_of
 from .body import Receive
 from .tenants import Tenants
 
@@ -51,7 +51,7 @@ COPIES = 3
 class Door(Protocol):
     """A way in, as the pipeline uses it whichever it is.
 
-    `client`: who is charged (admission's client; `authorize` may name a tenant instead).
+    `caller`: who is charged (`authorize` may name a tenant instead).
     `body_size(limit)`: the bytes the request brings, refused above `limit` before any is read.
     `arrived()`: those bytes where the door holds them already, read by a reader of its own
     (charged as they are: no upload slot, no rate); None where they are still to come, by
@@ -60,12 +60,12 @@ class Door(Protocol):
     an upload slot, before awaiting it within the request's deadline). `gone()`: completes once
     the sender hangs up."""
 
-    client: Hashable
+    caller: Caller
     whole: bool
 
     def authorize(self, tenants: Tenants) -> None:
         """The request's token checked, where one is required (UnauthorizedError otherwise);
-        `client` is then the tenant it names."""
+        `caller` is then the tenant it names."""
 
     def body_size(self, limit: int) -> int:
         """The bytes the request brings, at most `limit` (BodyTooLargeError above it)."""
@@ -109,7 +109,7 @@ def byte_count(raw: str) -> int | None:
 
 
 class HttpDoor:
-    """An HTTP request: its client is the tenant its bearer token names, else the peer's address
+    """An HTTP request: its caller is the tenant its bearer token names, else the peer's address
     (a proxy's X-Forwarded-For only where the operator trusts that proxy: see `tenants`), its
     bytes the body its Content-Length announces."""
 
@@ -117,17 +117,17 @@ class HttpDoor:
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.client: Hashable = client_of(request.client.host if request.client else None)
+        self.caller = Caller.of(request.client.host if request.client else None)
         self.receive: Receive = request.receive
 
     def authorize(self, tenants: Tenants) -> None:
-        """The bearer token, where one is required (UnauthorizedError otherwise); the client is
+        """The bearer token, where one is required (UnauthorizedError otherwise); the caller is
         the tenant it names, where tenants have tokens."""
         if not tenants.required:
             return
-        tenant = tenants.client(bearer(self.request.headers.get("authorization")))
+        tenant = tenants.caller(bearer(self.request.headers.get("authorization")))
         if tenant is not None:
-            self.client = tenant
+            self.caller = tenant
 
     def content_length(self) -> int:
         """The body's announced size (LengthRequiredError where none is readable)."""
@@ -168,7 +168,7 @@ class HttpDoor:
 
 
 class CallDoor:
-    """A prefill frame on the region socket: its client is the tenant the socket's hello token
+    """A prefill frame on the region socket: its caller is the tenant the socket's hello token
     named, else the peer's uid (SO_PEERCRED); its token was checked by that hello, its bytes are
     the frame's `body`, and the socket's end is `gone`."""
 
@@ -179,10 +179,10 @@ class CallDoor:
         message: dict[str, Any],
         gone: asyncio.Future[None],
         uid: int | None,
-        tenant: Hashable = None,
+        tenant: Caller | None = None,
     ) -> None:
         self.message = message
-        self.client: Hashable = tenant if tenant is not None else client_of(uid)
+        self.caller = tenant if tenant is not None else Caller.of(uid)
         self._gone = gone
         self._body: bytes | None = None
 
@@ -256,7 +256,7 @@ def peer_host(peer: str) -> str | None:
 
 
 class GrpcDoor:
-    """A gRPC call: its client is the tenant its `authorization` metadata's bearer token names,
+    """A gRPC call: its caller is the tenant its `authorization` metadata's bearer token names,
     else the peer's address (a proxy's `x-forwarded-for` only where the operator trusts that
     proxy, as on HTTP); its bytes are its one request message, read whole by grpc's transport
     (which refuses one above `limit`, the message limit of every method, before it is read: the
@@ -274,7 +274,7 @@ class GrpcDoor:
         forwarded = self.metadata.get("x-forwarded-for")
         if proxies is not None and isinstance(forwarded, str) and host in proxies:
             host = proxies.get_trusted_client_address(forwarded)[0] or host
-        self.client: Hashable = client_of(host)
+        self.caller = Caller.of(host)
         self._size = 0  # the message's bytes: the pipeline holds the message, the door never
         loop = asyncio.get_running_loop()
         self._gone: asyncio.Future[None] = loop.create_future()
@@ -289,12 +289,12 @@ class GrpcDoor:
         if not tenants.required:
             return
         value = self.metadata.get("authorization")
-        tenant = tenants.client(bearer(value if isinstance(value, str) else None))
+        tenant = tenants.caller(bearer(value if isinstance(value, str) else None))
         if tenant is not None:
-            self.client = tenant
+            self.caller = tenant
 
     def identify(self, tenants: Tenants) -> None:
-        """`client` the tenant a good token names, else left the peer's: who a call is charged
+        """`caller` the tenant a good token names, else left the peer's: who a call is charged
         to before it is known whether its method needs a token."""
         with contextlib.suppress(UnauthorizedError):
             self.authorize(tenants)

@@ -88,7 +88,7 @@ class Metrics:
         family(
             "held_bytes",
             "gauge",
-            "Bytes held for requests, charged to their clients: bodies read, the kernels' memory "
+            "Bytes held for requests, charged to their callers: bodies read, the kernels' memory "
             "of queued and running work, answers not yet sent.",
         )
         for kind, n in held_bytes.items():

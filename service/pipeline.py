@@ -3,12 +3,12 @@ region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in
 
     gate       admitting (`ready_engine`), the door's token
     expect     the form says from the request's head what body it expects (`Form.expect`)
-    read       admission and the client's share before a byte is read, then the one body
+    read       admission and the caller's share before a byte is read, then the one body
                reader (`body`) or the socket's frame, within the request's deadline
     decode     the form makes the bytes its tensors and options (`Form.decode`)
     prepare    validated once, within the caps, kernels chosen (`PrefillEngine.prepare`)
-    charge     what the kernel will allocate and the answer will hold, to the client's bytes
-    run        queued for the client (round-robin between clients), waited for within the
+    charge     what the kernel will allocate and the answer will hold, to the caller's bytes
+    run        queued for the caller (round-robin between callers), waited for within the
                deadline while the door watches for a hang-up (`compute`)
     answer     the kernel's bytes and the inputs' buffers back first, then the form writes the
                answer, whose bytes stay charged until its last byte is sent (or it is cut for
@@ -48,7 +48,7 @@ from zen_mla.engine import (
     SharedBuffer,
 )
 
-from .admission import Ticket, client_name
+from .admission import Ticket
 from .answer import Streamed
 from .body import SMALL_BYTES, read_body, read_message
 from .doors import Door
@@ -84,7 +84,7 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         if form.computes:
             ready_engine(state)
         door.authorize(state.tenants)
-        record.info["client"] = client_name(door.client)  # who is charged, in the log line
+        record.info["caller"] = str(door.caller)  # who is charged, in the log line
         expect = form.expect(state.settings, door)
         engine = _engine(state)
         body = await _read(state, door, expect, record, held)
@@ -124,14 +124,14 @@ def _engine(state: ServiceState) -> PrefillEngine:
 async def _read(
     state: ServiceState, door: Door, expect: Expect, record: RequestRecord, held: Held
 ) -> SharedBuffer | bytes:
-    """The request's bytes, admitted for its client before any is read: a whole message (gRPC)
+    """The request's bytes, admitted for its caller before any is read: a whole message (gRPC)
     charged the most its transport may read; a socket's frame as it is; a body as it comes."""
     admission, s = state.admission, state.settings
     deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)
     if door.whole:  # one message its transport reads whole: admitted before it is awaited
-        admission.check_queue(door.client)
+        admission.check_queue(door.caller)
         most = door.most(expect.limit)  # what its transport may read: held before it reads
-        ticket = held.ticket = admission.admit(most, door.client)
+        ticket = held.ticket = admission.admit(most, door.caller)
         ticket.charge(most)
         message = await read_message(
             door.read, ticket, deadline_at=deadline_at, deadline_s=s.deadline_s
@@ -144,11 +144,11 @@ async def _read(
     n = door.body_size(expect.limit)
     raw = door.arrived()
     if raw is not None:
-        held.ticket = admission.admit_read(n, door.client)
+        held.ticket = admission.admit_read(n, door.caller)
         _arrived(record, n)
         return raw
-    admission.check_queue(door.client)  # a full queue now is a 429 now, not after the upload
-    ticket = held.ticket = admission.admit(n, door.client)
+    admission.check_queue(door.caller)  # a full queue now is a 429 now, not after the upload
+    ticket = held.ticket = admission.admit(n, door.caller)
     buf = await read_body(
         door.receive,
         held,
@@ -222,7 +222,7 @@ async def _run(
 def _charge(
     ticket: Ticket, prepared: PrefillRequest, places: OutputPlaces | None, settings: Settings
 ) -> None:
-    """What `prepared` will cost the service, to its client's share of the bytes before it is
+    """What `prepared` will cost the service, to its caller's share of the bytes before it is
     queued: the kernel's memory, and the answer's where it is the pool's (not written where the
     caller said). One request may hold at most the whole budget (422 above: it never fits);
     QueueFullError (429) while others hold what it needs."""
@@ -256,7 +256,7 @@ async def compute(
     places: OutputPlaces | None = None,
     reply: Reply | None = None,
 ) -> PrefillResult:
-    """Queue the prepared request for `held`'s client and wait for it within the deadline,
+    """Queue the prepared request for `held`'s caller and wait for it within the deadline,
     watching the client (`gone`, an awaitable that completes when it hangs up; cancelled once
     the work is done; a hang-up while the job's worker holds its reply does not count, see
     `PrefillJob.replying`); its (queue, compute) seconds go to `record`. A small request is
@@ -278,7 +278,7 @@ async def compute(
         inputs=inputs,
         outputs=places,
         reply=reply,
-        client=held.ticket.client,  # queued work takes turns between clients
+        caller=held.ticket.caller,  # queued work takes turns between callers
     )
     if out_bytes > SMALL_BYTES:
         job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once

@@ -1,4 +1,4 @@
-"""Who a request's client is, as the operator says: the tenant its bearer token names where the
+"""Who a request's caller is, as the operator says: the tenant its bearer token names where the
 operator gives tenants tokens of their own (`tenants_file`), else its peer (the address on TCP,
 the uid on the region socket). A forwarded address counts only from proxies the operator names
 (`forwarded_allow_ips`: uvicorn puts it in the peer's place before the app sees the request);
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Hashable
 from pathlib import Path
 
 from zen_mla import UnauthorizedError
+from zen_mla.caller import Caller
 
 __all__ = ["SHARED_TENANT", "Tenants", "TenantsFile", "check_shared_token", "read_tenants"]
 
@@ -101,7 +101,7 @@ def _digest(token: str) -> bytes:
 
 
 class Tenants:
-    """The tokens that open the service and the client each names. Lookups go by the token's
+    """The tokens that open the service and the caller each names. Lookups go by the token's
     SHA-256, so how long one takes says nothing of the tokens held. ValueError where the shared
     token is a tenant's too (`check_shared_token`)."""
 
@@ -110,7 +110,7 @@ class Tenants:
         self._by_digest: dict[bytes, str] = {_digest(t): n for t, n in (tenants or {}).items()}
         if shared is not None:
             self._by_digest[_digest(shared)] = SHARED_TENANT
-        self.named = bool(tenants)  # a client is a tenant, not a peer
+        self.named = bool(tenants)  # a caller is a tenant, not a peer
         self.required = bool(self._by_digest)
 
     @classmethod
@@ -126,13 +126,13 @@ class Tenants:
         )
         return cls(api_token, file.tokens)
 
-    def client(self, token: str | None) -> Hashable | None:
-        """The client `token` names: `("tenant", name)` where tenants have tokens, None where
-        the peer is the client. UnauthorizedError where a token is required and this one is
+    def caller(self, token: str | None) -> Caller | None:
+        """The caller `token` names: its tenant where tenants have tokens, None where the peer
+        is the caller. UnauthorizedError where a token is required and this one is
         missing or opens nothing."""
         if not self.required:
             return None
         name = self._by_digest.get(_digest(token or "")) if token else None
         if name is None:
             raise UnauthorizedError("a valid bearer token is required (Authorization: Bearer ...)")
-        return ("tenant", name) if self.named else None
+        return Caller.tenant(name) if self.named else None

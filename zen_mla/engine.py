@@ -21,7 +21,7 @@ places a job writes to, a worker's own reply) is named here too: `SharedBuffer`,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.driver import workspace_bytes
 from .attention.select import KernelChoice, select_kernel
 from .attention.status import host_status
+from .caller import Caller
 from .errors import DeadlineExceededError, InvalidInputError, WorkTooLargeError
 from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBuffer, WorkerPool
 from .wire import PrefillOptions
@@ -316,7 +317,7 @@ class PrefillEngine:
         outputs: OutputPlaces | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
-        client: Hashable = None,
+        caller: Caller | None = None,
     ) -> PrefillJob:
         """Queue a prepared request on the workers. q, k and v lying in `inputs` (buffers of
         this engine: `buffer()`, `adopt()`) are read in place; `outputs` (a buffer, and `out`
@@ -324,8 +325,8 @@ class PrefillEngine:
         `loop`: the running event loop, when called from its thread: a request small enough
         for one worker then goes to an idle one from this thread and its answer is read here,
         with no thread between (see `zen_mla.pool`); `reply`, a frame that worker then writes
-        to the caller's socket itself once done (`PrefillResult.replied`). `client`: who asks
-        (any hashable name): queued work is taken round-robin between clients. PoolClosedError
+        to the caller's socket itself once done (`PrefillResult.replied`). `caller`: who asks:
+        queued work is taken round-robin between callers. PoolClosedError
         once closed; ServiceUnavailableError (try again) when shared memory cannot be had."""
         kernels = request.kernels
         job = self._pool.submit_batch(
@@ -336,6 +337,6 @@ class PrefillEngine:
             outputs=outputs,
             loop=loop,
             reply=reply,
-            client=client,
+            caller=caller,
         )
         return PrefillJob(request, job)

@@ -1,8 +1,8 @@
 """What a gRPC call is held to before its method runs, beyond the limits grpc's transport keeps
 itself (`grpc_server.grpc_options`: message size, streams per connection, connections):
 
-- its client's place among the calls open (`Admission.open_call`, `grpc_max_calls` shared as
-  the queue is): a call past its client's share is RESOURCE_EXHAUSTED before its message is
+- its caller's place among the calls open (`Admission.open_call`, `grpc_max_calls` shared as
+  the queue is): a call past its caller's share is RESOURCE_EXHAUSTED before its message is
   read, whatever its method;
 - its connection's resets: a connection whose calls its caller cancels within `PREMATURE_S` of
   opening them, `grpc_max_resets` of them and more than half of its calls, is closed (HTTP/2
@@ -64,9 +64,9 @@ class CallLimits:
     @contextlib.contextmanager
     def held(self, door: GrpcDoor) -> Iterator[None]:
         """The call's place, from here to the end of the `with` (QueueFullError where its
-        client's share is used up); a cancel from its caller (grpc cancels the handler) within
+        caller's share is used up); a cancel from its caller (grpc cancels the handler) within
         `PREMATURE_S` counts against its connection, which is closed past the bound."""
-        self.admission.open_call(door.client)
+        self.admission.open_call(door.caller)
         conn = self._connection(door.peer)
         conn.calls += 1
         conn.open += 1
@@ -80,7 +80,7 @@ class CallLimits:
             raise
         finally:
             conn.open -= 1
-            self.admission.close_call(door.client)
+            self.admission.close_call(door.caller)
 
     def _connection(self, peer: str) -> _Connection:
         conn = self.connections.get(peer)

@@ -2,7 +2,7 @@
 grpc.aio on the service's event loop, on its own port (`grpc_port`).
 
 Every method is registered as a stream of requests, so the service sees the call before its
-message and reads it only when it chooses. Each call first takes its client's place among the
+message and reads it only when it chooses. Each call first takes its caller's place among the
 calls open and counts on its connection (`grpc_limits`). `ServerLive`, `ServerReady` and
 `ServerMetadata`, whose requests have no fields, are answered without reading their message. The
 others go through the one pipeline (`pipeline.serve`, by a `doors.GrpcDoor`): the token, then
@@ -113,7 +113,7 @@ async def start_grpc(state: ServiceState, connections: int) -> grpc.aio.Server:
 
 
 async def _send(context: Context, answer: GrpcAnswer) -> None:
-    """The answer written: an error's status, or the response, its bytes charged to its client
+    """The answer written: an error's status, or the response, its bytes charged to its caller
     until the call ends (grpc holds a response its caller leaves unread, and has no way to cut
     it short: the connection's age bounds it, `CONNECTION_AGE_S` and the grace after). None:
     the caller is gone, nothing to send."""
@@ -142,7 +142,7 @@ def _discard_answer(state: ServiceState) -> Callable[[asyncio.Future[GrpcAnswer]
 class MethodForm(Form[GrpcAnswer]):
     """A method with a small request message, as a form of the one pipeline that computes
     nothing: its message (at most `REGISTER_BYTES`) parsed as `kind` and answered by `call`,
-    which is given the door too (whose client the answer may be scoped to)."""
+    which is given the door too (whose caller the answer may be scoped to)."""
 
     computes = False
 
@@ -188,7 +188,7 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
 
     def method(handle: Callable[[GrpcDoor], Awaitable[None]]) -> grpc.RpcMethodHandler:
         """`handle` as a method: the call holds its place among the calls open (refused
-        unread past its client's share) while it runs."""
+        unread past its caller's share) while it runs."""
 
         async def handler(_: Any, context: Context) -> None:
             door = GrpcDoor(context, proxies, limit)

@@ -28,7 +28,7 @@ from zen_mla import (
     ZenMLAError,
 )
 from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
-from zen_mla.regions import ClientShm, SystemShmRegistry, off_error
+from zen_mla.regions import CallerShm, SystemShmRegistry, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
@@ -75,7 +75,7 @@ class V2Form(Form[A]):
 
     def __init__(self, registry: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
         self.registry = registry
-        self.regions: ClientShm | None = None
+        self.regions: CallerShm | None = None
         self.big_json = big_json
         self.req: kr.InferRequest | None = None
         self.out_places: Places = {}
@@ -84,9 +84,9 @@ class V2Form(Form[A]):
         self.system_shm = False
 
     def scope_regions(self, door: Door) -> None:
-        """The regions this request may name: its client's (`door` authorized already)."""
+        """The regions this request may name: its caller's (`door` authorized already)."""
         if self.registry is not None:
-            self.regions = self.registry.of(door.client)
+            self.regions = self.registry.of(door.caller)
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
         assert self.req is not None
@@ -195,7 +195,7 @@ def input_tensors(
     req: kr.InferRequest,
     buf: SharedBuffer | None,
     data_at: int,
-    regions: ClientShm | None,
+    regions: CallerShm | None,
 ) -> dict[str, torch.Tensor]:
     """Each input given as binary data or in a region as a tensor: views of the body's buffer
     or of the region (read by the workers only), copies where they must be (misaligned, or
@@ -222,7 +222,7 @@ def input_tensors(
     return tensors
 
 
-def check_regions(req: kr.InferRequest, regions: ClientShm | None) -> None:
+def check_regions(req: kr.InferRequest, regions: CallerShm | None) -> None:
     """Every region the request names still holds its registered range (InvalidInputError,
     naming the tensor, where one does not)."""
     if regions is None:
@@ -273,7 +273,7 @@ def place_inputs(
     tensors: dict[str, torch.Tensor],
     body: SharedBuffer | None,
     req: kr.InferRequest,
-    regions: ClientShm | None,
+    regions: CallerShm | None,
 ) -> tuple[list[SharedBuffer], SharedBuffer | None]:
     """The buffers q, k and v lie in (`body`: the one the request's binary data was read
     into, if any); where some lie in a region and others in none (JSON data, copies), those

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from zen_mla import InvalidInputError
 from zen_mla.engine import OutputPlaces, PrefillRequest, PrefillResult
-from zen_mla.regions import SHM_DIR, ClientShm, Span, SystemRegion, check_disjoint
+from zen_mla.regions import SHM_DIR, CallerShm, Span, SystemRegion, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
@@ -31,7 +31,7 @@ Places = dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None]
 def output_places(
     req: kr.InferRequest,
     prepared: PrefillRequest,
-    regions: ClientShm | None,
+    regions: CallerShm | None,
     max_json_bytes: int,
 ) -> dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None]:
     """Each requested output's region (None: in the response), every range checked, and the

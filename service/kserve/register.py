@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
 from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
-from zen_mla.regions import ClientShm, SystemShmRegistry, off_error
+from zen_mla.regions import CallerShm, SystemShmRegistry, off_error
 
 from ..doors import Door
 from ..forms.base import Expect, Form, RequestRecord
@@ -73,7 +73,7 @@ def registry_of(state: ServiceState) -> SystemShmRegistry:
     return state.system_shm
 
 
-def regions_of(state: ServiceState, door: Door) -> ClientShm:
-    """The regions of `door`'s client (its token checked already: `Door.authorize`), where
+def regions_of(state: ServiceState, door: Door) -> CallerShm:
+    """The regions of `door`'s caller (its token checked already: `Door.authorize`), where
     system shared memory is on and made (as `registry_of`)."""
-    return registry_of(state).of(door.client)
+    return registry_of(state).of(door.caller)

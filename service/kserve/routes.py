@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from zen_mla import ZenMLAError
-from zen_mla.regions import ClientShm
+from zen_mla.regions import CallerShm
 
 from ..doors import HttpDoor
 from ..pipeline import serve
@@ -122,7 +122,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
 
     shm = "/v2/systemsharedmemory"
 
-    def regions(request: Request) -> ClientShm:
+    def regions(request: Request) -> CallerShm:
         """The caller's regions, its token checked: a tenant sees and names its own only."""
         door = HttpDoor(request)
         door.authorize(state.tenants)

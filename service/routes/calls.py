@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Hashable
 from typing import Any
 
+from zen_mla.caller import Caller
 from zen_mla.regions import Calls
 
 from ..doors import CallDoor
@@ -30,7 +30,7 @@ async def _call(
     gone: asyncio.Future[None],
     fd: int,
     uid: int | None,
-    tenant: Hashable,
+    tenant: Caller | None,
 ) -> Frame | None:
     form = CallForm(state.regions, message.get("call"), fd)
     return await serve(state, CallDoor(message, gone, uid, tenant), form)

@@ -1,5 +1,5 @@
-"""A worker's queue takes tasks round-robin between clients: one client's flood delays
-another's task by at most one task per flooding client; a worker lost while lent is replaced
+"""A worker's queue takes tasks round-robin between callers: one caller's flood delays
+another's task by at most one task per flooding caller; a worker lost while lent is replaced
 before any task, and the dispatcher stops once the tasks are done; a cancelled job's tasks
 leave it at once."""
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 from zen_mla.pool._job import LostOnLoan, PoolJob, StopDispatching, Task, TaskQueue
 
 
-def _task(client: object, n: int, cost: int = 1, job: PoolJob | None = None) -> Task:
+def _task(caller: object, n: int, cost: int = 1, job: PoolJob | None = None) -> Task:
     job = job or PoolJob(kernel="torch")
-    return Task(n, job, None, [], cost, client=client)  # type: ignore[arg-type]
+    return Task(n, job, None, [], cost, caller=caller)  # type: ignore[arg-type]
 
 
 def _drain(q: TaskQueue) -> list[object]:
     taken = []
     while q.qsize():
         item = q.get_nowait()
-        taken.append(item if not isinstance(item, Task) else (item.client, item.id))
+        taken.append(item if not isinstance(item, Task) else (item.caller, item.id))
     return taken
 
 
@@ -68,7 +68,7 @@ def test_take_all_leaves_lost_loans_and_stops():
     q.put(LostOnLoan())
     q.put(StopDispatching())
     q.put(_task("b", 2))
-    assert [(t.client, t.id) for t in q.take_all()] == [("a", 1), ("b", 2)]
+    assert [(t.caller, t.id) for t in q.take_all()] == [("a", 1), ("b", 2)]
     assert _drain(q) == [LostOnLoan(), StopDispatching()]
 
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from zen_mla import ForbiddenError, InvalidInputError, NotFoundError
+from zen_mla.caller import Caller
 from zen_mla.pool import SharedBuffer
-from zen_mla.regions.system_shm import SHM_DIR, ClientShm, SystemShmRegistry
+from zen_mla.regions.system_shm import SHM_DIR, CallerShm, SystemShmRegistry
 
-ALICE, BOB = ("tenant", "alice"), ("tenant", "bob")
+ALICE, BOB = Caller.tenant("alice"), Caller.tenant("bob")
 
 
 def shm_object() -> Iterator[str]:
@@ -45,16 +46,16 @@ def other_key() -> Iterator[str]:
 def tenants(max_regions: int = 4, max_bytes: int = 1 << 30) -> SystemShmRegistry:
     """A registry whose clients are told apart (tenants with tokens of their own)."""
     return SystemShmRegistry(
-        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_client=True
+        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_caller=True
     )
 
 
-def registry(max_regions: int = 4, max_bytes: int = 1 << 30) -> ClientShm:
+def registry(max_regions: int = 4, max_bytes: int = 1 << 30) -> CallerShm:
     """The regions of the one client there is where tenants have no tokens of their own."""
     whole = SystemShmRegistry(
-        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_client=False
+        max_regions=max_regions, max_bytes=max_bytes, adopt=SharedBuffer.adopt, by_caller=False
     )
-    return whole.of(("addr", "127.0.0.1"))
+    return whole.of(Caller.of("127.0.0.1"))
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def test_a_sparse_object_past_the_byte_cap_or_the_address_space_is_a_4xx(key):
         small.register("r3", key, 0, 1 << 20)
 
 
-def refusal(call: Callable[[ClientShm], object], regions: ClientShm) -> str:
+def refusal(call: Callable[[CallerShm], object], regions: CallerShm) -> str:
     """What `call(regions)` raised, as its message (it must raise)."""
     with pytest.raises((InvalidInputError, NotFoundError)) as info:
         call(regions)
@@ -225,13 +226,13 @@ def test_limits_count_per_tenant(key, other_key):
     assert len(alice) == 2 and len(bob) == 1 and len(shm) == 3
 
 
-def test_without_tenants_every_caller_is_one_client(key):
+def test_without_tenants_every_caller_is_one_caller(key):
     shm = SystemShmRegistry(
-        max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt, by_client=False
+        max_regions=4, max_bytes=1 << 30, adopt=SharedBuffer.adopt, by_caller=False
     )
-    one, two = shm.of(("addr", "10.0.0.1")), shm.of(("addr", "10.0.0.2"))
+    one, two = shm.of(Caller.of("10.0.0.1")), shm.of(Caller.of("10.0.0.2"))
     one.register("a", key, 0, 4096)
-    two.register("b", key, 4096, 4096)  # the same object: one client
+    two.register("b", key, 4096, 4096)  # the same object: one caller
     assert [r["name"] for r in two.status(None)] == ["a", "b"]
     assert two.resolve("q.shared_memory_region", "a") is one.get("a")
     assert shm.of(None).status(None) == one.status(None)

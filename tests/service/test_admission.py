@@ -10,6 +10,7 @@ import pytest
 from service.admission import SMALL_BODY, Admission
 from service.settings import Settings
 from zen_mla import QueueFullError
+from zen_mla.caller import Caller
 
 
 def test_a_body_read_already_holds_no_upload_slot_and_charges_its_bytes():
@@ -30,7 +31,7 @@ def test_a_body_read_already_holds_no_upload_slot_and_charges_its_bytes():
     assert (a.uploads, a.inflight, a.queued, a.inflight_bytes) == (0, 0, 0, 0)
 
 
-A, B, C = ("addr", "10.0.0.1"), ("addr", "10.0.0.2"), ("uid", 1000)
+A, B, C = Caller.of("10.0.0.1"), Caller.of("10.0.0.2"), Caller.of(1000)
 
 
 def _settings(**kw) -> Settings:
@@ -43,7 +44,7 @@ def test_a_client_alone_takes_every_place_and_another_still_gets_its_share():
     flood = [a.admit_read(10, A) for _ in range(4)]
     for t in flood:
         t.enqueue()
-    with pytest.raises(QueueFullError, match="4 of them this client's"):
+    with pytest.raises(QueueFullError, match="4 of them this caller's"):
         a.admit_read(10, A)  # alone it had them all; no more past the cap
     mine = [a.admit_read(10, B) for _ in range(2)]  # its share of 4 between two: 2
     for t in mine:
@@ -68,7 +69,7 @@ def test_the_share_exemptions_stay_within_the_ceiling():
     the connection cap."""
     a = Admission(_settings(max_queue=8, max_connections=8))
     held = []
-    for client in [A] * 8 + [("addr", f"10.1.0.{i}") for i in range(40)]:
+    for client in [A] * 8 + [Caller.of(f"10.1.0.{i}") for i in range(40)]:
         try:
             t = a.admit_read(1, client)
             t.enqueue()
@@ -158,17 +159,17 @@ def test_a_client_holding_nothing_gets_a_place_however_many_others_hold_some():
     a = Admission(_settings(max_queue=4, max_connections=4))
     held = []
     for i in range(8):
-        t = a.admit_read(1, ("addr", f"10.2.0.{i}"))
+        t = a.admit_read(1, Caller.of(f"10.2.0.{i}"))
         t.enqueue()
         held.append(t)
     assert a.queued == 8  # the cap, then one each for those holding none, to the ceiling
     with pytest.raises(QueueFullError):  # at the ceiling: no more, whoever asks
-        a.admit_read(1, ("addr", "10.2.0.99"))
+        a.admit_read(1, Caller.of("10.2.0.99"))
     held.pop().close()
-    newcomer = a.admit_read(1, ("addr", "10.2.0.99"))
+    newcomer = a.admit_read(1, Caller.of("10.2.0.99"))
     newcomer.enqueue()
     with pytest.raises(QueueFullError):
-        a.admit_read(1, ("addr", "10.2.0.99"))  # it holds one, over the cap: its share is 0
+        a.admit_read(1, Caller.of("10.2.0.99"))  # it holds one, over the cap: its share is 0
     for t in [*held, newcomer]:
         t.close()
 
@@ -180,7 +181,7 @@ def test_byte_shares_never_add_up_past_twice_the_budget():
     a = Admission(_settings(max_inflight_bytes=256 << 20, max_body_bytes=1 << 20))
     tickets = []
     for i in range(15):
-        t = a.admit_read(0, ("addr", f"10.3.0.{i}"))
+        t = a.admit_read(0, Caller.of(f"10.3.0.{i}"))
         tickets.append(t)
         while True:
             try:

@@ -1,4 +1,4 @@
-"""Who a client is, as the operator says (docs/protocol.md, "Limits"), on a real server: a forwarded
+"""Who a caller is, as the operator says (docs/protocol.md, "Limits"), on a real server: a forwarded
 address counts only from a proxy the operator names, tenants are told apart by their tokens
 even from one address, and many clients holding some keep neither a newcomer's upload nor its
 queued work out (the attacks from other loopback addresses, each a client of its own)."""
@@ -27,14 +27,14 @@ from zen_mla.client import PrefillClient
 pytestmark = pytest.mark.slow
 
 
-def _clients(server: Server) -> list[str]:
-    """The clients the server's log lines name, in order."""
+def _callers(server: Server) -> list[str]:
+    """The callers the server's log lines name, in order."""
     names = []
     for line in server.logs().splitlines():
         if line.startswith("{"):
             event = json.loads(line)
-            if "client" in event:
-                names.append(event["client"])
+            if "caller" in event:
+                names.append(event["caller"])
     return names
 
 
@@ -59,15 +59,15 @@ def test_a_forwarded_address_counts_only_from_a_proxy_the_operator_names(tmp_pat
     forged = {"X-Forwarded-For": "10.9.9.9"}
     with serve(tmp_path, workers=1, log=tmp_path / "default.log") as s:
         assert _post(s, forged).status_code == 200
-        wait_for(lambda: _clients(s)[-1:] == ["addr:127.0.0.1"], 10, "a header named the client")
+        wait_for(lambda: _callers(s)[-1:] == ["addr:127.0.0.1"], 10, "a header named the caller")
     with serve(
         tmp_path, workers=1, forwarded_allow_ips="127.0.0.1", log=tmp_path / "proxied.log"
     ) as s:
         assert _post(s, forged).status_code == 200
-        wait_for(lambda: _clients(s)[-1:] == ["addr:10.9.9.9"], 10, "the proxy's client")
+        wait_for(lambda: _callers(s)[-1:] == ["addr:10.9.9.9"], 10, "the proxy's caller")
         # another peer is no proxy of the operator's: its header counts for nothing
         assert _post(s, forged, source="127.0.0.2").status_code == 200
-        wait_for(lambda: _clients(s)[-1:] == ["addr:127.0.0.2"], 10, "the peer itself")
+        wait_for(lambda: _callers(s)[-1:] == ["addr:127.0.0.2"], 10, "the peer itself")
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def tenants_file(tmp_path: Path) -> str:
 
 
 def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenants_file):
-    """Two tenants on one address are two clients, the shared token a third; no token, or
+    """Two tenants on one address are two callers, the shared token a third; no token, or
     one that opens nothing, is a 401. Tenant A floods the queue; B, from the same address,
     gets every request through within LOCKOUT_S, answered right."""
     with serve(
@@ -88,9 +88,9 @@ def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenan
         api_token="shared-token",
         max_queue=2,
     ) as s:
-        for token, client in [("token-a", "tenant:team-a"), ("shared-token", "tenant:*")]:
+        for token, caller in [("token-a", "tenant:team-a"), ("shared-token", "tenant:*")]:
             assert _post(s, {"Authorization": f"Bearer {token}"}).status_code == 200
-            wait_for(lambda c=client: _clients(s)[-1:] == [c], 10, f"{client} in the log")
+            wait_for(lambda c=caller: _callers(s)[-1:] == [c], 10, f"{caller} in the log")
         for bad in ({}, {"Authorization": "Bearer token-c"}, {"Authorization": "token-a"}):
             assert _post(s, bad).status_code == 401
         # on the region socket, the hello's token names the tenant its calls count for
@@ -101,7 +101,7 @@ def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenan
         with PrefillClient(s.url, token="token-b", shared_memory=True) as c:
             out = c.prefill(tensors["q"], tensors["k"], tensors["v"], tensors["q_cu_seq_lens"])
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-        wait_for(lambda: "tenant:team-b" in _clients(s), 10, "a socket call's tenant")
+        wait_for(lambda: "tenant:team-b" in _callers(s), 10, "a socket call's tenant")
         with (
             pytest.raises(SharedMemoryUnavailableError, match="bearer token"),
             PrefillClient(s.url, shared_memory=True) as c,
@@ -137,7 +137,7 @@ def test_tenants_are_told_apart_by_their_tokens_from_one_address(tmp_path, tenan
             raise AssertionError(f"tenant B locked out for {LOCKOUT_S} s")
 
         during(flood, s, tenant_b, settle_s=2, rounds=4)
-        assert "tenant:team-b" in _clients(s)
+        assert "tenant:team-b" in _callers(s)
 
 
 LOOPBACKS = [f"127.0.0.{i}" for i in range(3, 11)]  # eight hosts; the legitimate one is .2

@@ -15,6 +15,7 @@ from bench._server import ROOT, SERVE, free_port
 from service.settings import Settings
 from service.tenants import SHARED_TENANT, Tenants, read_tenants
 from zen_mla import UnauthorizedError
+from zen_mla.caller import Caller
 
 
 def _file(tmp_path: Path, text: str) -> str:
@@ -51,20 +52,20 @@ def test_a_missing_file_stops_the_settings(tmp_path: Path):
 
 def test_each_token_names_its_tenant_and_the_shared_token_one_more():
     tenants = Tenants("shared-token", {"alpha": "a", "beta": "b"})
-    assert tenants.client("alpha") == ("tenant", "a")
-    assert tenants.client("beta") == ("tenant", "b")
-    assert tenants.client("shared-token") == ("tenant", SHARED_TENANT)
+    assert tenants.caller("alpha") == Caller.tenant("a")
+    assert tenants.caller("beta") == Caller.tenant("b")
+    assert tenants.caller("shared-token") == Caller.tenant(SHARED_TENANT)
     for bad in (None, "", "alph", "alpha ", "gamma"):
         with pytest.raises(UnauthorizedError):
-            tenants.client(bad)
+            tenants.caller(bad)
 
 
-def test_without_tenants_the_peer_is_the_client():
-    assert Tenants(None).client(None) is None  # no token asked, the door's peer counts
+def test_without_tenants_the_peer_is_the_caller():
+    assert Tenants(None).caller(None) is None  # no token asked, the door's peer counts
     shared = Tenants("tok")
-    assert shared.client("tok") is None  # one token for all: clients are still their peers
+    assert shared.caller("tok") is None  # one token for all: callers are still their peers
     with pytest.raises(UnauthorizedError):
-        shared.client("other")
+        shared.caller("other")
 
 
 SHARED_TOO = "beta-token-Zq81"  # team-b's, and set as the shared token too

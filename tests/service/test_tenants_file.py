@@ -13,6 +13,7 @@ import pytest
 from service import tenants
 from service.settings import Settings
 from service.tenants import Tenants, TenantsFile
+from zen_mla.caller import Caller
 
 
 @pytest.fixture
@@ -39,8 +40,8 @@ def test_the_settings_read_the_file_once_and_the_tenants_take_what_they_read(
     token = settings.api_token.get_secret_value() if settings.api_token else None
     held = Tenants.from_settings(token, settings.tenants_file)
     assert reads == [str(path)]
-    assert held.client("alpha-token") == ("tenant", "team-a")
-    assert held.client("shared-token") == ("tenant", tenants.SHARED_TENANT)
+    assert held.caller("alpha-token") == Caller.tenant("team-a")
+    assert held.caller("shared-token") == Caller.tenant(tenants.SHARED_TENANT)
     for kept in (copy.deepcopy(settings), pickle.loads(pickle.dumps(settings))):
         assert isinstance(kept.tenants_file, TenantsFile)
         assert kept.tenants_file.tokens == {"alpha-token": "team-a", "beta-token": "team-b"}
@@ -58,5 +59,5 @@ def test_the_file_shows_as_its_path_alone(tmp_path: Path) -> None:
 def test_a_path_given_by_hand_is_read(tmp_path: Path, reads: list[str]) -> None:
     path = tmp_path / "tenants"
     path.write_text("team-a alpha-token\n")
-    assert Tenants.from_settings(None, str(path)).client("alpha-token") == ("tenant", "team-a")
+    assert Tenants.from_settings(None, str(path)).caller("alpha-token") == Caller.tenant("team-a")
     assert reads == [str(path)]

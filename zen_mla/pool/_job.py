@@ -228,8 +228,8 @@ class PoolJob:
 @dataclass(eq=False)
 class Task:
     """One worker's share of a job: its pieces, in one message. `spec` lacks `buffers` and
-    `forget`, which depend on what the worker it goes to has mapped. `client`: who asked (the
-    service's name for a caller), whose tasks take turns with other clients' in a queue."""
+    `forget`, which depend on what the worker it goes to has mapped. `caller`: who asked (the
+    service's `Caller`, any hashable name), whose tasks take turns with other callers'."""
 
     id: int
     job: PoolJob
@@ -237,7 +237,7 @@ class Task:
     buffers: list[SharedBuffer]
     cost: int
     attempts: int = 0  # times a worker died under it; changed by the one party running it
-    client: Hashable = None
+    caller: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -257,13 +257,13 @@ Queued = Task | LostOnLoan | StopDispatching
 
 
 class TaskQueue(queue.Queue[Queued]):
-    """Tasks waiting for one worker, taken round-robin between their clients: a client's flood
-    delays another client's task by at most one task per flooding client; `LostOnLoan` comes
+    """Tasks waiting for one worker, taken round-robin between their callers: a caller's flood
+    delays another caller's task by at most one task per flooding caller; `LostOnLoan` comes
     out before the tasks, `StopDispatching` after them. `cost` is the tasks' summed, kept under
     the queue's own `mutex` as tasks come and go."""
 
     def _init(self, maxsize: int) -> None:
-        # clients in turn order: the one served goes to the back; a new one joins at the back
+        # callers in turn order: the one served goes to the back; a new one joins at the back
         self._tasks: dict[Hashable, deque[Task]] = {}
         self._lost = 0  # LostOnLoan messages queued
         self._stops = 0  # StopDispatching messages queued
@@ -279,7 +279,7 @@ class TaskQueue(queue.Queue[Queued]):
         elif isinstance(item, LostOnLoan):
             self._lost += 1
         else:
-            self._tasks.setdefault(item.client, deque()).append(item)
+            self._tasks.setdefault(item.caller, deque()).append(item)
             self._count += 1
             self.cost += item.cost
 
@@ -293,11 +293,11 @@ class TaskQueue(queue.Queue[Queued]):
         return StopDispatching()
 
     def _next_task(self) -> Task:
-        client = next(iter(self._tasks))
-        mine = self._tasks.pop(client)
+        caller = next(iter(self._tasks))
+        mine = self._tasks.pop(caller)
         task = mine.popleft()
         if mine:
-            self._tasks[client] = mine  # its next task waits for the others' turns
+            self._tasks[caller] = mine  # its next task waits for the others' turns
         self._count -= 1
         self.cost -= task.cost
         return task
@@ -311,8 +311,8 @@ class TaskQueue(queue.Queue[Queued]):
         """Take `job`'s queued tasks off the queue (it was cancelled); how many there were."""
         with self.mutex:
             dropped = 0
-            for client in list(self._tasks):
-                mine = self._tasks[client]
+            for caller in list(self._tasks):
+                mine = self._tasks[caller]
                 kept = deque(t for t in mine if t.job is not job)
                 if len(kept) == len(mine):
                     continue
@@ -321,9 +321,9 @@ class TaskQueue(queue.Queue[Queued]):
                         dropped += 1
                         self.cost -= task.cost
                 if kept:
-                    self._tasks[client] = kept  # its turn unchanged
+                    self._tasks[caller] = kept  # its turn unchanged
                 else:
-                    del self._tasks[client]
+                    del self._tasks[caller]
             self._count -= dropped
             return dropped
 

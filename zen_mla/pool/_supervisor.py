@@ -188,7 +188,7 @@ class WorkerPool:
         outputs: OutputPlaces | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
-        client: Hashable = None,
+        caller: Hashable = None,
     ) -> PoolJob:
         """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
         are read in place (else copied into shared memory once); `outputs` says where `out` and
@@ -198,7 +198,7 @@ class WorkerPool:
         then goes straight to an idle worker from this thread, and its answer is read here
         too (`_direct`); the job completes in the loop's thread. `reply`: written by that
         worker once the work is done (`Reply`); a batch queued instead is never answered so.
-        `client`: who asks (any hashable name); queued tasks take turns between clients."""
+        `caller`: who asks (any hashable name); queued tasks take turns between callers."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
@@ -245,7 +245,7 @@ class WorkerPool:
             cost = sum(p.cost for p in pieces)
             threads = 1 if cost < self.config.min_thread_cost else 0  # 0: all the worker's
             spec = replace(common, pieces=tuple(pieces), threads=threads)
-            tasks.append(Task(next(self._ids), job, spec, buffers, cost, client=client))
+            tasks.append(Task(next(self._ids), job, spec, buffers, cost, caller=caller))
 
         def finish(j: PoolJob) -> None:
             if staging is not None:

@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     from .protocol import encode_frame
     from .registry import RegionRegistry, Span, check_disjoint
     from .server import Calls, RegionServer
-    from .system_shm import SHM_DIR, ClientShm, SystemRegion, SystemShmRegistry, off_error
+    from .system_shm import SHM_DIR, CallerShm, SystemRegion, SystemShmRegistry, off_error
 
 __all__ = [
     "SHM_DIR",
+    "CallerShm",
     "Calls",
-    "ClientShm",
     "RegionRegistry",
     "RegionServer",
     "Span",
@@ -42,7 +42,7 @@ __all__ = [
 _LAZY = {
     "SHM_DIR": ".system_shm",
     "Calls": ".server",
-    "ClientShm": ".system_shm",
+    "CallerShm": ".system_shm",
     "RegionRegistry": ".registry",
     "RegionServer": ".server",
     "Span": ".registry",

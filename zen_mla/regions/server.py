@@ -29,10 +29,11 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..caller import Caller
 from ..errors import (
     InvalidInputError,
     ServiceUnavailableError,
@@ -50,12 +51,12 @@ __all__ = ["Authorize", "Calls", "RegionServer"]
 #: reply, or None where a worker wrote it to the descriptor itself (whole, or the connection
 #: shut down)
 Calls = Callable[
-    [dict[str, Any], "asyncio.Future[None]", int, int | None, Hashable],
+    [dict[str, Any], "asyncio.Future[None]", int, int | None, Caller | None],
     Awaitable[dict[str, Any] | None],
 ]
 #: checks a hello's token (None: none given): returns whom it names (None: no one, the peer's
 #: uid counts), raises UnauthorizedError for one that opens nothing
-Authorize = Callable[[str | None], Hashable]
+Authorize = Callable[[str | None], Caller | None]
 
 log = logging.getLogger("zen_mla.regions")
 # Room for one descriptor; CMSG_SPACE rounds up to 8 bytes, so two fit and more are cut off
@@ -69,7 +70,7 @@ class _Client:
     id: int
     sock: socket.socket
     uid: int | None  # the peer's (SO_PEERCRED): whose byte budget its regions count against
-    named: Hashable = None  # whom its hello's token names, where tokens name clients
+    named: Caller | None = None  # whom its hello's token names, where tokens name tenants
     reader: FrameReader = field(default_factory=FrameReader)
     fd: int | None = None  # the descriptor of the frame being read (register's memfd)
     greeted: bool = False

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's system shared memory: POSIX shared-memory objects a client
+"""The Open Inference Protocol's system shared memory: POSIX shared-memory objects a caller
 names by key (`/dev/shm/<key>`), registered as regions the infer requests read and write.
 
 Unlike the same-host regions (memfds sealed against shrinking, handed over a socket), such an
@@ -8,17 +8,17 @@ object is named, not handed over, and its owner may shrink it at any time. So:
 - a key names one object directly in /dev/shm (no path, no link, not a named semaphore), a
   regular file owned by this service's user, at least `offset + byte_size` long when
   registered;
-- a region is the client's that registered it, where tenants have tokens of their own: no
+- a region is the caller's that registered it, where tenants have tokens of their own: no
   other tenant sees its name (another's name is unknown, as one never registered), uses it,
   unregisters it, or registers its object; each tenant has its own count and bytes. Without
-  tenants every caller is one client, as the objects are all this service's user's;
+  tenants all callers are one, as the objects are all this service's user's;
 - this process never touches a region's memory: `cu_seq_lens` are read with `pread`, outputs
   the workers did not write in place go out with `pwrite`, and the size is checked again before
   each request. Only workers map and touch it; one killed by SIGBUS (the object shrank in the
   window after the check) is replaced, and its request answered 422 naming the tensor while
   the object is still short.
 
-`SystemShmRegistry`, and every `ClientShm` view of it, is owned by the event loop's thread: it
+`SystemShmRegistry`, and every `CallerShm` view of it, is owned by the event loop's thread: it
 takes no lock.
 """
 
@@ -27,15 +27,16 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..caller import Caller
 from ..errors import ForbiddenError, InvalidInputError, NotFoundError
 from ..pool import SharedBuffer
 
-__all__ = ["EVERYONE", "SHM_DIR", "ClientShm", "SystemRegion", "SystemShmRegistry", "off_error"]
+__all__ = ["EVERYONE", "SHM_DIR", "CallerShm", "SystemRegion", "SystemShmRegistry", "off_error"]
 
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9_.\-]{1,200})")
@@ -96,15 +97,15 @@ class SystemRegion:
             at, view = at + n, view[n:]
 
 
-#: the one owner of every region where clients are not told apart (no tenants of their own)
-EVERYONE: Hashable = ("everyone",)
+#: the one owner of every region where callers are not told apart (no tenants of their own)
+EVERYONE = Caller("everyone")
 
 
 class SystemShmRegistry:
-    """Regions by client and name. Where `by_client` (tenants have tokens of their own), a
-    region is the client's that registered it: only that client sees, names, uses and
-    unregisters it, an object it registered is refused to the others, and each client counts
-    its own `max_regions` and `max_bytes`. Else every caller is one client (`EVERYONE`)."""
+    """Regions by caller and name. Where `by_caller` (tenants have tokens of their own), a
+    region is the caller's that registered it: only that caller sees, names, uses and
+    unregisters it, an object it registered is refused to the others, and each caller counts
+    its own `max_regions` and `max_bytes`. Else all callers are one (`EVERYONE`)."""
 
     def __init__(
         self,
@@ -112,33 +113,33 @@ class SystemShmRegistry:
         max_regions: int,
         max_bytes: int,
         adopt: Callable[[int, int], SharedBuffer],
-        by_client: bool,
+        by_caller: bool,
     ) -> None:
         self.max_regions, self.max_bytes = max_regions, max_bytes
-        self.by_client = by_client
+        self.by_caller = by_caller
         self._adopt = adopt
-        self._regions: dict[Hashable, dict[str, SystemRegion]] = {}  # by owner, then by name
+        self._regions: dict[Caller | None, dict[str, SystemRegion]] = {}  # by owner, then by name
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._regions.values())
 
-    def of(self, client: Hashable) -> ClientShm:
-        """The regions `client` (a door's client, once authorized) sees and names."""
-        return ClientShm(self, client if self.by_client else EVERYONE)
+    def of(self, caller: Caller | None) -> CallerShm:
+        """The regions `caller` (a door's, once authorized) sees and names."""
+        return CallerShm(self, caller if self.by_caller else EVERYONE)
 
-    def owner_of(self, inode: tuple[int, int]) -> Hashable | None:
-        """The client that registered the object `inode` (None: none has)."""
+    def owner_of(self, inode: tuple[int, int]) -> Caller | None:
+        """The caller that registered the object `inode` (None: none has)."""
         for owner, held in self._regions.items():
             if any(r.inode == inode for r in held.values()):
                 return owner
         return None
 
 
-class ClientShm:
-    """One client's regions (`SystemShmRegistry.of`). Another client's region name is unknown
-    here exactly as a name never registered, so a name says nothing of other clients."""
+class CallerShm:
+    """One caller's regions (`SystemShmRegistry.of`). Another caller's region name is unknown
+    here exactly as a name never registered, so a name says nothing of other callers."""
 
-    def __init__(self, registry: SystemShmRegistry, owner: Hashable) -> None:
+    def __init__(self, registry: SystemShmRegistry, owner: Caller | None) -> None:
         self._registry = registry
         self._owner = owner
 
@@ -149,8 +150,8 @@ class ClientShm:
         return len(self._held())
 
     def register(self, name: str, key: object, offset: object, byte_size: object) -> None:
-        """`byte_size` bytes from `offset` of the object `key` as this client's region `name`
-        (InvalidInputError naming the field at fault; ForbiddenError where another client
+        """`byte_size` bytes from `offset` of the object `key` as this caller's region `name`
+        (InvalidInputError naming the field at fault; ForbiddenError where another caller
         registered that object)."""
         registry, held = self._registry, self._held()
         if name in held:
@@ -196,7 +197,7 @@ class ClientShm:
 
     def _open(self, path: str, offset: int, byte_size: int) -> tuple[SharedBuffer, tuple[int, int]]:
         """The object at `path` opened, checked (a regular file of this service's user, no
-        other client's, holding the range) and mapped to the range's end; and its inode."""
+        other caller's, holding the range) and mapped to the range's end; and its inode."""
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
@@ -245,7 +246,7 @@ class ClientShm:
         return buffer, inode
 
     def unregister(self, name: str | None) -> None:
-        """One of this client's regions (an unknown name is no error, as in Triton), or all of
+        """One of this caller's regions (an unknown name is no error, as in Triton), or all of
         them with None. A request in flight keeps its region's mapping until it is done."""
         held = self._registry._regions.get(self._owner)
         if held is None:
@@ -258,20 +259,20 @@ class ClientShm:
             del self._registry._regions[self._owner]
 
     def status(self, name: str | None) -> list[dict[str, object]]:
-        """This client's regions (or the one named): name, key, offset, byte_size."""
+        """This caller's regions (or the one named): name, key, offset, byte_size."""
         if name is None:
             return [r.status() for r in self._held().values()]
         return [self.get(name).status()]
 
     def get(self, name: str) -> SystemRegion:
-        """This client's region `name` (NotFoundError where it has none of that name)."""
+        """This caller's region `name` (NotFoundError where it has none of that name)."""
         region = self._held().get(name)
         if region is None:
             raise NotFoundError(f"no system shared memory region named {name[:80]!r}")
         return region
 
     def resolve(self, what: str, name: object) -> SystemRegion:
-        """This client's region a tensor names, or InvalidInputError naming the tensor."""
+        """This caller's region a tensor names, or InvalidInputError naming the tensor."""
         region = self._held().get(name) if isinstance(name, str) else None
         if region is None:
             raise InvalidInputError(what, "a registered region name", repr(name)[:80])
@@ -280,7 +281,7 @@ class ClientShm:
     def place(
         self, what: str, name: object, offset: int, nbytes: int, dtype: torch.dtype
     ) -> SystemRegion:
-        """This client's region `name` for the tensor `what` of `nbytes` at `offset` into it,
+        """This caller's region `name` for the tensor `what` of `nbytes` at `offset` into it,
         the range checked against the registration and the object's size now."""
         region = self.resolve(f"{what}.shared_memory_region", name)
         end = offset + nbytes
@@ -303,6 +304,6 @@ class ClientShm:
 
 def off_error() -> ForbiddenError:
     return ForbiddenError(
-        "system shared memory is off on this server: it lets a client name /dev/shm objects "
+        "system shared memory is off on this server: it lets a caller name /dev/shm objects "
         "for the service to read and write; start it with ZEN_MLA_SYSTEM_SHM=true to offer it"
     )

@@ -42,6 +42,7 @@ from tests.service.grpc_caller import grpc_inputs
 from tests.service.servers import Server, serve, server_fixture
 from tests.service.v2_tensors import to_torch
 from zen_mla import QueueFullError, ragged_attention
+from zen_mla.caller import Caller
 
 MIB = 1 << 20
 SERVICE = "/inference.GRPCInferenceService/"
@@ -449,10 +450,13 @@ def test_a_connection_flood_leaves_http_its_descriptors(few_descriptors):
 # -- the rules, in this process -----------------------------------------------------------------
 
 
+FIRST = Caller.of("10.0.0.1")
+
+
 class FakeDoor:
-    def __init__(self, peer: str, client: object = ("addr", "10.0.0.1")) -> None:
+    def __init__(self, peer: str, caller: Caller = FIRST) -> None:
         self.peer = peer
-        self.client = client
+        self.caller = caller
 
 
 def _cancelled(limits: CallLimits, door: FakeDoor) -> None:
@@ -488,7 +492,7 @@ def test_a_client_past_its_share_of_calls_is_refused_before_its_call_runs():
     with contextlib.ExitStack() as held:
         for _ in range(4):
             held.enter_context(limits.held(door))
-        other = FakeDoor("ipv4:10.0.0.2:5000", ("addr", "10.0.0.2"))
+        other = FakeDoor("ipv4:10.0.0.2:5000", Caller.of("10.0.0.2"))
         held.enter_context(limits.held(other))
         with pytest.raises(QueueFullError, match="gRPC calls are open"):
             held.enter_context(limits.held(door))
