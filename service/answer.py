@@ -16,9 +16,8 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from zen_mla.attention import KernelChoice
-from zen_mla.engine import PrefillResult
 
-from .forms.base import RequestRecord
+from .forms.base import Computed, RequestRecord
 from .pace import Pace
 
 __all__ = [
@@ -64,7 +63,7 @@ def server_timing(response: R, record: RequestRecord) -> R:
 def stream(
     head: bytes,
     chunks: Sequence[memoryview],
-    result: PrefillResult,
+    result: Computed,
     media_type: str,
     headers: dict[str, str] | None = None,
 ) -> Response:
@@ -143,7 +142,7 @@ class Streamed(Response):
             cut()
 
 
-def _release_when_collected(result: PrefillResult, exporters: list[object]) -> None:
+def _release_when_collected(result: Computed, exporters: list[object]) -> None:
     if not exporters:
         result.release()
         return

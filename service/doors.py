@@ -23,6 +23,7 @@ from zen_mla import (
     LengthRequiredError,
     UnauthorizedError,
     WireFormatError,
+    deadline,
 )
 from zen_mla.caller import Caller
 
@@ -58,7 +59,8 @@ class Door(Protocol):
     `receive` (ASGI messages, read by the pipeline's one body reader) or, where `whole`, by
     `read()` (one message, read whole by the door's transport: the pipeline admits it, with
     an upload slot, before awaiting it within the request's deadline). `gone()`: completes once
-    the sender hangs up."""
+    the sender hangs up. `timeout()`: the seconds its caller gave it, where its transport
+    carries them (`zen_mla.deadline`)."""
 
     caller: Caller
     whole: bool
@@ -90,6 +92,9 @@ class Door(Protocol):
 
     def gone(self) -> Awaitable[None]:
         """Completes once the sender hangs up."""
+
+    def timeout(self) -> float | None:
+        """The caller's seconds, from the request's head; None where it sent none."""
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -166,6 +171,11 @@ class HttpDoor:
             if message["type"] == "http.disconnect":
                 return
 
+    def timeout(self) -> float | None:
+        """The `Zen-MLA-Timeout` header's seconds (InvalidInputError where it is no number)."""
+        raw = self.request.headers.get(deadline.HEADER)
+        return None if raw is None else deadline.timeout_of(raw, deadline.HEADER)
+
 
 class CallDoor:
     """A prefill frame on the region socket: its caller is the tenant the socket's hello token
@@ -228,6 +238,11 @@ class CallDoor:
 
     def gone(self) -> Awaitable[None]:
         return self._gone
+
+    def timeout(self) -> float | None:
+        """The frame's `timeout` field, seconds (InvalidInputError where it is no number)."""
+        raw = self.message.get("timeout")
+        return None if raw is None else deadline.timeout_of(raw, "timeout")
 
 
 def trusted_proxies(allowed: str | None) -> _TrustedHosts | None:
@@ -345,6 +360,11 @@ class GrpcDoor:
     def hang_up(self) -> None:
         """The caller went (grpc cancelled its handler): `gone` completes."""
         _settle(self._gone)
+
+    def timeout(self) -> float | None:
+        """What is left of the call's gRPC deadline, where its caller set one."""
+        left = self.context.time_remaining()
+        return None if left is None else max(float(left), 1e-3)
 
 
 def _settle(future: asyncio.Future[None]) -> None:

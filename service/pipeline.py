@@ -9,7 +9,8 @@ region-socket call, a `/v2` infer, a `/v2` registration) lives its whole life in
     prepare    validated once, within the caps, kernels chosen (`PrefillEngine.prepare`)
     charge     what the kernel will allocate and the answer will hold, to the caller's bytes
     run        queued for the caller (round-robin between callers), waited for within the
-               deadline while the door watches for a hang-up (`compute`)
+               deadline while the door watches for a hang-up (`compute`); dropped unbegun at
+               the caller's own deadline, where the request carries one (`zen_mla.deadline`)
     answer     the kernel's bytes and the inputs' buffers back first, then the form writes the
                answer, whose bytes stay charged until its last byte is sent (or it is cut for
                being read slower than the door's minimum rate)
@@ -21,13 +22,10 @@ the form's shape; any other is a bug of ours, a 500 (InternalError); a hang-up a
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import ClientDisconnect
 
@@ -38,34 +36,29 @@ from zen_mla import (
     ZenMLAError,
     status_of,
 )
+from zen_mla.deadline import Deadline
 from zen_mla.engine import (
     OutputPlaces,
     PrefillEngine,
-    PrefillJob,
     PrefillRequest,
-    PrefillResult,
-    Reply,
     SharedBuffer,
 )
 
 from .admission import Ticket
 from .answer import Streamed
-from .body import SMALL_BYTES, read_body, read_message
+from .body import read_body, read_message
+from .compute import ClientGoneError, compute
 from .doors import Door
-from .forms.base import Expect, Form, RequestRecord, Work
+from .forms.base import Computed, Expect, Form, RequestRecord, Work
 from .held import Held
 from .pace import Pace
 from .settings import Settings
 from .state import ServiceState, readiness
 
-__all__ = ["ClientGoneError", "compute", "ready_engine", "serve"]
+__all__ = ["ready_engine", "serve"]
 
 log = logging.getLogger("zen_mla.service")
 A = TypeVar("A")
-
-
-class ClientGoneError(Exception):
-    """The client closed the connection while its work ran (answered 499, for metrics)."""
 
 
 def ready_engine(state: ServiceState) -> PrefillEngine:
@@ -78,13 +71,14 @@ def ready_engine(state: ServiceState) -> PrefillEngine:
 
 async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
     """`form`'s request, come in by `door`, from its gate to its log line (see the module)."""
-    record = RequestRecord(form.route, time.perf_counter())
+    record = RequestRecord(form.route, time.perf_counter(), Deadline(state.settings.deadline_s))
     held = Held(state.engine)
     try:
         if form.computes:
             ready_engine(state)
         door.authorize(state.tenants)
         record.info["caller"] = str(door.caller)  # who is charged, in the log line
+        timeout = door.timeout()  # the caller's seconds, where its transport carries them
         expect = form.expect(state.settings, door)
         engine = _engine(state)
         body = await _read(state, door, expect, record, held)
@@ -93,7 +87,8 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         if work is None:
             answer = await form.answer(None, record)
         else:
-            answer = await _run(state, door, form, work, record, held)
+            caller = _caller_deadline(record, timeout, work.timeout)
+            answer = await _run(state, door, form, work, record, held, caller)
         record.status = 200
         return answer
     except (ClientDisconnect, ClientGoneError):
@@ -127,7 +122,8 @@ async def _read(
     """The request's bytes, admitted for its caller before any is read: a whole message (gRPC)
     charged the most its transport may read; a socket's frame as it is; a body as it comes."""
     admission, s = state.admission, state.settings
-    deadline_at = asyncio.get_running_loop().time() + _remaining(s, record)
+    deadline_at = record.deadline.at
+    assert deadline_at is not None, "the service's deadline is a number of seconds"
     if door.whole:  # one message its transport reads whole: admitted before it is awaited
         admission.check_queue(door.caller)
         most = door.most(expect.limit)  # what its transport may read: held before it reads
@@ -179,6 +175,7 @@ async def _run(
     work: Work,
     record: RequestRecord,
     held: Held,
+    caller: Deadline | None,
 ) -> A:
     engine = _engine(state)
     staging = work.staging
@@ -198,6 +195,7 @@ async def _run(
             inputs=work.inputs,
             places=places,
             reply=reply,
+            caller=caller,
         )
     except KernelError as exc:
         form.explain(exc)
@@ -210,7 +208,7 @@ async def _run(
         result.release()  # written where the caller said: no memory of the pool's to keep
     charge = ticket.keep("answer")  # until the answer's memory is back: its last byte sent
     try:
-        answer = await form.answer(result.when_released(charge.close_soon), record)
+        answer = await form.answer(Computed(result, charge), record)
     except BaseException:
         charge.close()
         raise
@@ -241,100 +239,16 @@ def _charge(
     ticket.charge(answer, "answer")
 
 
-def _remaining(settings: Settings, record: RequestRecord) -> float:
-    return settings.deadline_s - (time.perf_counter() - record.t0)
-
-
-async def compute(
-    state: ServiceState,
-    gone: Awaitable[None],
-    prepared: PrefillRequest,
-    record: RequestRecord,
-    held: Held,
-    *,
-    inputs: SharedBuffer | Sequence[SharedBuffer] | None = None,
-    places: OutputPlaces | None = None,
-    reply: Reply | None = None,
-) -> PrefillResult:
-    """Queue the prepared request for `held`'s caller and wait for it within the deadline,
-    watching the client (`gone`, an awaitable that completes when it hangs up; cancelled once
-    the work is done; a hang-up while the job's worker holds its reply does not count, see
-    `PrefillJob.replying`); its (queue, compute) seconds go to `record`. A small request is
-    run from this thread (`loop=`): one small enough for one worker goes straight to an idle
-    one, with no thread between."""
-    engine = state.engine
-    assert engine is not None and held.ticket is not None, "read first"
-    record.info |= {
-        "tq": prepared.num_q_tokens,
-        "tk": prepared.num_kv_tokens,
-        "b": prepared.num_seqs,
-    }
-    held.ticket.enqueue()
-    batch = prepared.batch
-    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
-    run = functools.partial(
-        engine.run,
-        prepared,
-        inputs=inputs,
-        outputs=places,
-        reply=reply,
-        caller=held.ticket.caller,  # queued work takes turns between callers
-    )
-    if out_bytes > SMALL_BYTES:
-        job = await asyncio.to_thread(run)  # the pool may make (pre-fault) `out` at once
-    else:
-        job = run(loop=asyncio.get_running_loop())
-    waiting = job.settled(_remaining(state.settings, record))  # a future: no task to step
-    watcher: asyncio.Future[None] = asyncio.ensure_future(gone)
-    watch: set[asyncio.Future[Any]] = {waiting, watcher}
-    await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-    if not waiting.done() and job.replying:
-        # Its worker answers the client itself, who may read that answer and hang up before
-        # the worker's Done is read here: the job's outcome decides, within the deadline as
-        # any job's, not the hang-up (which counted answered calls as 499s).
-        await asyncio.wait({waiting})
-    if not waiting.done():
-        _abandon(state, job, waiting, held)
-        raise ClientGoneError
-    watcher.cancel()
-    result = waiting.result()  # DeadlineExceededError past the deadline
-    done_at = time.perf_counter()
-    record.queue_s = (job.started_at or done_at) - job.queued_at
-    record.compute_s = done_at - (job.started_at or done_at)
-    state.metrics.observe("queue", record.queue_s)
-    state.metrics.observe("compute", record.compute_s)
-    state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
-    return result
-
-
-def _abandon(
-    state: ServiceState, job: PrefillJob, waiting: asyncio.Future[PrefillResult], held: Held
-) -> None:
-    """The client hung up while its work was queued or running.
-
-    Work no worker was given is dropped (`withdraw`, decided in one step with the workers'
-    taking it: a worker that took it meanwhile keeps it, never to be stopped for it). Work
-    that started runs on (stopping a worker costs a restart of seconds, which no client may
-    cause at will) and still holds its queue place, its body's buffer and its bytes until it
-    ends or its deadline stops it: hanging up costs the others no more than waiting for the
-    answer would.
-    """
-    if job.withdraw():
-        waiting.cancel()  # an outcome come meanwhile (a failure) is nobody's to read
-        return
-    kept = held.hand_over()  # what the work reads, until it ends
-
-    async def finish() -> None:
-        try:
-            (await waiting).release()
-        except Exception:  # past its deadline, or failed: nobody is waiting for the answer
-            pass
-        finally:
-            await kept.release()
-
-    task = asyncio.ensure_future(finish())
-    state.abandoned.add(task)
-    task.add_done_callback(state.abandoned.discard)
+def _caller_deadline(record: RequestRecord, *timeouts: float | None) -> Deadline | None:
+    """The caller's deadline, the soonest of the `timeouts` it sent (seconds, counted from the
+    request's arrival), where it is sooner than the service's own; else None."""
+    given = [t for t in timeouts if t is not None]
+    if not given:
+        return None
+    assert record.deadline.at is not None and record.deadline.budget is not None
+    caller = Deadline(min(given), start=record.deadline.at - record.deadline.budget)
+    assert caller.at is not None
+    return caller if caller.at < record.deadline.at else None
 
 
 def _account(state: ServiceState, record: RequestRecord) -> None:

@@ -41,7 +41,7 @@ class ServiceState:
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)
     tenants: Tenants = field(init=False)  # the tokens that open the service, whom each names
-    # work whose client hung up, running on to its end (`pipeline._abandon`, and a gRPC call's
+    # work whose client hung up, running on to its end (`compute._abandon`, and a gRPC call's
     # pipeline task whose handler grpc cancelled); owned by the event loop
     abandoned: set[asyncio.Future[Any]] = field(default_factory=set)
 

@@ -221,6 +221,8 @@ ENGINE_USES = ("prepare", "run")
 ADMISSION_USES = ("admit", "admit_read", "check_queue")
 READER = "read_body"
 PIPELINE = "service.pipeline"
+#: the pipeline's run phase, which only the pipeline calls
+RUN = "service.compute"
 
 
 def _life_uses(name: str) -> set[str]:
@@ -241,15 +243,17 @@ def _life_uses(name: str) -> set[str]:
 
 def test_a_request_s_life_is_assembled_in_one_module_of_the_service():
     """The engine's `prepare` and `run`, admission and the body reader are used by
-    `service.pipeline` alone: every form and door goes through it."""
+    `service.pipeline` alone (`run` by its run phase, `service.compute`, which the pipeline
+    alone imports): every form and door goes through it."""
     others = {
         name: sorted(_life_uses(name))
         for name in MODULES
-        if name.startswith("service") and name not in (PIPELINE, "service.admission")
+        if name.startswith("service") and name not in (PIPELINE, RUN, "service.admission")
     }
     assert not {name: uses for name, uses in others.items() if uses}
     everything = {*(f"engine.{u}" for u in ENGINE_USES), *ADMISSION_USES, READER}
-    assert _life_uses(PIPELINE) == everything
+    assert _life_uses(PIPELINE) | _life_uses(RUN) == everything
+    assert {name for name in MODULES for target, _ in imported(name) if target == RUN} == {PIPELINE}
 
 
 def test_the_pipeline_is_called_by_the_routes_and_calls_nothing_back():

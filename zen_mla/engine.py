@@ -21,8 +21,8 @@ places a job writes to, a worker's own reply) is named here too: `SharedBuffer`,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,7 +74,6 @@ class PrefillResult:
     lse: torch.Tensor | None
     kernels: KernelChoice
     _pool_result: PoolResult
-    _released: Callable[[], None] | None = None
 
     @property
     def replied(self) -> bool:
@@ -82,13 +81,6 @@ class PrefillResult:
 
     def release(self) -> None:
         self._pool_result.release()
-        if self._released is not None:
-            self._released()
-
-    def when_released(self, callback: Callable[[], None]) -> PrefillResult:
-        """This result, calling `callback` (from whichever thread releases it, maybe more than
-        once) once `release()` has handed its memory back."""
-        return replace(self, _released=callback)
 
 
 @dataclass(frozen=True, slots=True)

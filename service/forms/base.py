@@ -25,6 +25,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from zen_mla import ZenMLAError
+from zen_mla.attention.select import KernelChoice
+from zen_mla.deadline import Deadline
 from zen_mla.engine import (
     OutputPlaces,
     PrefillEngine,
@@ -35,10 +37,11 @@ from zen_mla.engine import (
 )
 from zen_mla.wire import PrefillOptions
 
+from ..admission import Charge
 from ..doors import Door
 from ..settings import Settings
 
-__all__ = ["Expect", "Form", "RequestRecord", "Work"]
+__all__ = ["Computed", "Expect", "Form", "RequestRecord", "Work"]
 
 A = TypeVar("A")
 
@@ -50,6 +53,7 @@ class RequestRecord:
 
     route: str
     t0: float
+    deadline: Deadline  # the service's: `deadline_s` from arrival
     request_id: str | None = None
     status: int = 500
     bytes_in: int = 0
@@ -70,6 +74,37 @@ class Work:
     inputs: SharedBuffer | Sequence[SharedBuffer] | None = None
     # buffers made for the inputs: given back with the body
     staging: SharedBuffer | Sequence[SharedBuffer] | None = None
+    timeout: float | None = None  # the caller's seconds, where its request carries them
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """The work done, as its answer writes it: the result's `out`, `lse`, `kernels` and
+    `replied`; `release()` hands the result's memory back, then the bytes charged for it (from
+    whichever thread sends the answer's last byte, or lets it go)."""
+
+    result: PrefillResult
+    charge: Charge
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.result.out
+
+    @property
+    def lse(self) -> torch.Tensor | None:
+        return self.result.lse
+
+    @property
+    def kernels(self) -> KernelChoice:
+        return self.result.kernels
+
+    @property
+    def replied(self) -> bool:
+        return self.result.replied
+
+    def release(self) -> None:
+        self.result.release()
+        self.charge.close_soon()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +150,7 @@ class Form(Generic[A]):
     def explain(self, exc: ZenMLAError) -> None:
         """Raise a more precise error for `exc`, a worker's failure, where the form knows one."""
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> A:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> A:
         """The answer to the work done (`result` is released by the answer once sent)."""
         raise NotImplementedError
 

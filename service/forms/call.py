@@ -27,13 +27,13 @@ import math
 from typing import Any
 
 from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
-from zen_mla.engine import PrefillRequest, PrefillResult, Reply
+from zen_mla.engine import PrefillRequest, Reply
 from zen_mla.regions import RegionRegistry, encode_frame
 
 from ..doors import Door
 from ..problems import problem_body
 from ..settings import Settings
-from .base import Expect, Form, RequestRecord
+from .base import Computed, Expect, Form, RequestRecord
 from .regions import RegionsRequest
 
 __all__ = ["MAX_CALL", "ROUTE", "CallForm", "Frame", "refusal"]
@@ -76,7 +76,7 @@ class CallForm(RegionsRequest, Form["Frame | None"]):
         self.frame = {"ok": True, **self.numbered, "body": body}
         return Reply(self.fd, encode_frame(self.frame)) if self.numbered else None
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Frame | None:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Frame | None:
         assert result is not None
         record.bytes_out = len(self.frame["body"])
         record.info["replied_by"] = "worker" if result.replied else "service"

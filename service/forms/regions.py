@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from zen_mla import InvalidInputError, ZenMLAError, wire
 from zen_mla.attention import KernelChoice
-from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
+from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, SharedBuffer
 from zen_mla.regions import RegionRegistry
 from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
 from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
@@ -23,7 +23,7 @@ from ..answer import answer_metadata, server_timing
 from ..doors import Door
 from ..problems import problem
 from ..settings import Settings
-from .base import Expect, Form, RequestRecord, Work
+from .base import Computed, Expect, Form, RequestRecord, Work
 
 __all__ = ["RESOLVED_KEPT", "RegionsForm", "RegionsRequest", "Resolved", "answer_body"]
 
@@ -176,7 +176,7 @@ class RegionsForm(RegionsRequest, Form[Response]):
 
     route = "prefill"
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None
         body = self.answer_body(result.kernels, record.request_id)
         record.bytes_out = len(body)

@@ -9,14 +9,14 @@ import torch
 from fastapi import Response
 
 from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
+from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.wire import regions_json
 
 from ..answer import answer_metadata, server_timing, stream
 from ..doors import Door
 from ..problems import problem
 from ..settings import Settings
-from .base import Expect, Form, RequestRecord, Work
+from .base import Computed, Expect, Form, RequestRecord, Work
 
 __all__ = ["SafetensorsForm", "send"]
 
@@ -50,7 +50,7 @@ class SafetensorsForm(Form[Response]):
         record.request_id = meta.get("request_id")
         return Work(tensors, wire.parse_options(meta), inputs=body)
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None
         response = send(result, record.request_id)
         record.bytes_out = int(response.headers["content-length"])
@@ -63,7 +63,7 @@ class SafetensorsForm(Form[Response]):
         return Response(status_code=499)
 
 
-def send(result: PrefillResult, request_id: str | None) -> Response:
+def send(result: Computed, request_id: str | None) -> Response:
     """safetensors header, then out and lse straight from the shared memory the workers wrote
     (`answer.stream`)."""
     outputs = {"out": result.out} | ({"lse": result.lse} if result.lse is not None else {})

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
+from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.regions import off_error
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
@@ -29,7 +29,7 @@ from zen_mla.wire.dtypes import BY_TORCH
 from ..answer import answer_metadata
 from ..body import SMALL_BYTES
 from ..doors import COPIES, Door
-from ..forms.base import Expect, Form, RequestRecord, Work
+from ..forms.base import Computed, Expect, Form, RequestRecord, Work
 from ..settings import Settings
 from ..state import ServiceState
 from . import request as kr
@@ -197,7 +197,7 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
                 engine.release(buf)
             raise
         made = [b for b in (buf, staging) if b is not None]
-        return Work(tensors, req.options, inputs=homes, staging=made)
+        return Work(tensors, req.options, homes, made, req.timeout)
 
     def _read(
         self, head: bytes, raws: list[memoryview]
@@ -221,7 +221,7 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
         loaded = {n: from_json(i) for n, i in req.inputs.items() if i.data is not None}
         return req, loaded
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> GrpcAnswer:
         assert result is not None and self.req is not None
         try:
             response = await _respond(self.req, result, self.out_places, self.direct)
@@ -250,9 +250,7 @@ def _copy_in(buf: SharedBuffer, raws: list[memoryview]) -> None:
         at += raw.nbytes
 
 
-async def _respond(
-    req: kr.InferRequest, result: PrefillResult, places: Places, written: bool
-) -> bytes:
+async def _respond(req: kr.InferRequest, result: Computed, places: Places, written: bool) -> bytes:
     """The ModelInferResponse: each output's entry, its bytes raw or written into its region
     (by pwrite unless the workers wrote them there)."""
     response = pb.ModelInferResponse(model_name=kr.MODEL, model_version=kr.VERSION, id=req.id or "")
@@ -308,7 +306,7 @@ class GrpcRegisterForm(Form[GrpcAnswer]):
         regions_of(self.state, self.door).register(msg.name, msg.key, msg.offset, msg.byte_size)
         return None
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> GrpcAnswer:
         return GrpcReply(pb.SystemSharedMemoryRegisterResponse().SerializeToString())
 
     def refuse(

@@ -35,10 +35,10 @@ from google.protobuf.message import Message
 from tritonclient.grpc import service_pb2 as pb
 
 from zen_mla import ZenMLAError, __version__
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
+from zen_mla.engine import PrefillEngine, SharedBuffer
 
 from ..doors import Door, GrpcDoor, trusted_proxies
-from ..forms.base import Expect, Form, RequestRecord
+from ..forms.base import Computed, Expect, Form, RequestRecord
 from ..memory import Trim
 from ..pipeline import serve
 from ..settings import Settings
@@ -165,7 +165,7 @@ class MethodForm(Form[GrpcAnswer]):
         assert isinstance(body, bytes) and self.door is not None
         self.response = await self.call(parse(self.kind, body), self.door)
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> GrpcAnswer:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> GrpcAnswer:
         assert self.response is not None
         return GrpcReply(self.response.SerializeToString())
 

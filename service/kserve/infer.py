@@ -27,13 +27,13 @@ from zen_mla import (
     WireFormatError,
     ZenMLAError,
 )
-from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, PrefillResult, SharedBuffer
+from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, SharedBuffer
 from zen_mla.regions import CallerShm, SystemShmRegistry, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
 from ..doors import Door, byte_count
-from ..forms.base import Expect, Form, RequestRecord, Work
+from ..forms.base import Computed, Expect, Form, RequestRecord, Work
 from ..settings import Settings
 from . import request as kr
 from .errors import error_response
@@ -156,9 +156,9 @@ class InferForm(V2Form[Response]):
         tensors |= input_tensors(engine, req, body, lead + self.json_bytes, self.regions)
         homes, staging = place_inputs(engine, tensors, body, req, self.regions)
         # staging, where made, is given back with the body once the work is done
-        return Work(tensors, req.options, inputs=homes, staging=staging)
+        return Work(tensors, req.options, homes, staging, req.timeout)
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None and self.req is not None
         response = await respond(self.req, result, self.out_places, self.direct)
         record.bytes_out = int(response.headers.get("content-length", 0))

@@ -12,13 +12,14 @@ import torch
 from fastapi.responses import Response
 
 from zen_mla import InvalidInputError
-from zen_mla.engine import OutputPlaces, PrefillRequest, PrefillResult
+from zen_mla.engine import OutputPlaces, PrefillRequest
 from zen_mla.regions import SHM_DIR, CallerShm, Span, SystemRegion, check_disjoint
 from zen_mla.wire import tensor_bytes
 from zen_mla.wire.dtypes import BY_TORCH
 
 from ..answer import answer_metadata, stream
 from ..body import SMALL_BYTES
+from ..forms.base import Computed
 from . import request as kr
 
 __all__ = ["Places", "direct_outputs", "output_places", "respond", "write_to_region"]
@@ -102,7 +103,7 @@ def direct_outputs(
 
 async def respond(
     req: kr.InferRequest,
-    result: PrefillResult,
+    result: Computed,
     places: dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None],
     written: bool,
 ) -> Response:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 
 from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
-from zen_mla.engine import PrefillEngine, PrefillResult, SharedBuffer
+from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.regions import CallerShm, SystemShmRegistry, off_error
 
 from ..doors import Door
-from ..forms.base import Expect, Form, RequestRecord
+from ..forms.base import Computed, Expect, Form, RequestRecord
 from ..settings import Settings
 from ..state import ServiceState, readiness
 from . import request as kr
@@ -54,7 +54,7 @@ class RegisterForm(Form[Response]):
         regions.register(self.name, key, offset, size)
         return None
 
-    async def answer(self, result: PrefillResult | None, record: RequestRecord) -> Response:
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         return JSONResponse({})
 
     def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Response:

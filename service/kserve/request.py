@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, NotFoundError, WireFormatError
+from zen_mla.deadline import timeout_of
 from zen_mla.wire import PrefillOptions, check_request_id
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
 
@@ -148,6 +149,7 @@ class InferRequest:
     scale: float | None = None
     kernel: str = "auto"
     binary_bytes: int = 0
+    timeout: float | None = None  # the caller's seconds (its `timeout` parameter)
     uses_shm: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -220,6 +222,7 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         scale=params.get("scale"),
         kernel=params.get("kernel", "auto"),
         binary_bytes=binary_bytes,
+        timeout=params.get("timeout"),
     )
 
 
@@ -260,10 +263,10 @@ def _parameters(raw: object) -> dict[str, Any]:
                 raise InvalidInputError("kernel", "a string", _kind(value))
             out[key] = value
         elif key == "timeout":
-            # microseconds (tritonclient's `timeout=`): checked, and not followed. The service's
-            # deadline applies: work abandoned mid-run costs the workers it ran on (stopped and
-            # replaced), which no client may cause at will.
-            out[key] = _count("timeout", value)
+            # microseconds (tritonclient's `timeout=`; 0 for none): the caller's deadline, work
+            # still queued at it is not computed (`zen_mla.deadline`)
+            none = type(value) is int and value == 0
+            out[key] = None if none else timeout_of(value, "timeout", 1e-6)
         else:
             raise InvalidInputError(
                 "parameters", f"names among {', '.join(PARAMETERS)}", repr(key)[:60]

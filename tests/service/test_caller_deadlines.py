@@ -1,13 +1,16 @@
 """A call whose caller gives up at its own deadline while the call waits in the queue is never
 computed, on every route: `/prefill` (PrefillClient over TCP), the region socket (PrefillClient
 with same-host regions), KServe v2 over HTTP (tritonclient.http's network timeout) and over gRPC
-(tritonclient.grpc's `client_timeout`, a gRPC deadline). On a real server with one worker, kept
-busy by another caller's long call so that the call under test is queued: the queries the
-service counts as computed (`zen_mla_tokens_total`) grow by the long call's alone, and a call
-after is answered right."""
+(tritonclient.grpc's `client_timeout`, a gRPC deadline). And a caller that sends its deadline
+(`zen_mla.deadline`: the `Zen-MLA-Timeout` header, a region call's `timeout` field, KServe v2's
+`timeout` parameter) and waits on, its connection open, is answered 504 at that deadline, its
+work not computed. On a real server with one worker, kept busy by another caller's long call so
+that the call under test is queued: the queries the service counts as computed
+(`zen_mla_tokens_total`) grow by the long call's alone, and a call after is answered right."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,10 +26,15 @@ from bench._server import free_port
 from tests.batches import BatchSpec, make_batch
 from tests.processes import eventually
 from tests.service.bodies import OCTET, body_of, slow_tensors
+from tests.service.region_clients import lay_out, region_socket
 from tests.service.servers import Server, busy_worker, serve, server_fixture
 from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla import DeadlineExceededError, ragged_attention
 from zen_mla.client import PrefillClient
+from zen_mla.deadline import HEADER
+from zen_mla.regions.connection import ClientRegion, RegionConnection
+from zen_mla.regions.protocol import call_fields, numbered
+from zen_mla.wire import regions_json
 
 #: the long call: ~3 s of the reference kernel on 2 cores, far longer than the caller's deadline
 BUSY_TOKENS = 8000
@@ -95,11 +103,10 @@ def _queries(server: Server) -> int:
     return int(float(line.split()[-1]))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("route", ROUTES)
-def test_a_queued_call_whose_caller_gave_up_is_not_computed(server, route):
-    call, error = ROUTES[route]
-    before = _queries(server)
+@contextlib.contextmanager
+def _worker_busy(server: Server) -> Iterator[dict[str, int]]:
+    """The one worker busy with another caller's long call (~3 s) for the block's length; its
+    status once it ends."""
     busy_body = body_of(slow_tensors(BUSY_TOKENS), {"kernel": "reference", "causal": "false"})
     busy: dict[str, int] = {}
 
@@ -111,12 +118,21 @@ def test_a_queued_call_whose_caller_gave_up_is_not_computed(server, route):
     thread.start()
     try:
         busy_worker(server)
+        yield busy
+    finally:
+        thread.join(120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_queued_call_whose_caller_gave_up_is_not_computed(server, route):
+    call, error = ROUTES[route]
+    before = _queries(server)
+    with _worker_busy(server) as busy:
         t0 = time.monotonic()
         with pytest.raises(error):
             call(server, _tensors(), DEADLINE_S)
         gave_up = time.monotonic() - t0
-    finally:
-        thread.join(120)
     assert busy["status"] == 200
     assert gave_up < DEADLINE_S + 2, gave_up
     # the long call's queries alone were computed, never the queued call's
@@ -127,3 +143,64 @@ def test_a_queued_call_whose_caller_gave_up_is_not_computed(server, route):
     out = call(server, t, 60)
     assert torch.equal(out, ragged_attention(*t.values()))
     assert eventually(lambda: _queries(server) - before == BUSY_TOKENS + 77, 10)
+
+
+def _sent_prefill(server: Server, t: dict[str, torch.Tensor]) -> int:
+    """POST /prefill with `Zen-MLA-Timeout`, the client waiting two minutes: the status."""
+    with server.client() as c:
+        headers = OCTET | {HEADER: str(DEADLINE_S)}
+        return c.post("/prefill", content=body_of(t), headers=headers).status_code
+
+
+def _sent_region_call(server: Server, t: dict[str, torch.Tensor]) -> int:
+    """A region call whose frame says `timeout`, its reply waited for a minute: its status."""
+    connection = RegionConnection(region_socket(server), None, timeout=60)
+    try:
+        places, _ = lay_out(ClientRegion(connection, 1 << 20), 64, lse=False)
+        fields = call_fields({"body": regions_json.encode(places).decode()})
+        reply = connection._exchange(numbered(1, fields, DEADLINE_S), None, 60, 1)
+        return 200 if reply["ok"] else int(reply["status"])
+    finally:
+        connection.close()
+
+
+def _sent_v2(kind, target: str, t: dict[str, torch.Tensor]) -> int:
+    """A v2 infer with the `timeout` parameter (microseconds), the client waiting a minute."""
+    client = (
+        kind.InferenceServerClient(target, network_timeout=60)
+        if kind is triton_http
+        else kind.InferenceServerClient(target)
+    )
+    with client as c:
+        try:
+            c.infer("mla_prefill", _v2_inputs(kind, t), timeout=int(DEADLINE_S * 1e6))
+        except InferenceServerException as exc:
+            return 504 if "504" in str(exc.status()) or "DEADLINE" in str(exc.status()) else 0
+    return 200
+
+
+#: each route's call that sends its deadline and waits on past it: the status it got
+SENT = {
+    "prefill": _sent_prefill,
+    "region socket": _sent_region_call,
+    "v2 http": lambda s, t: _sent_v2(triton_http, urlparse(s.url).netloc, t),
+    "v2 grpc": lambda s, t: _sent_v2(triton_grpc, s.grpc_target, t),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", SENT)
+def test_a_queued_call_is_dropped_at_the_deadline_its_caller_sent(server, route):
+    before = _queries(server)
+    with _worker_busy(server) as busy:
+        t0 = time.monotonic()
+        status = SENT[route](server, _tensors())
+        answered = time.monotonic() - t0
+        still_busy = "status" not in busy
+    assert status == 504
+    assert DEADLINE_S - 0.05 < answered < DEADLINE_S + 1.5, answered
+    assert still_busy, "answered at the caller's deadline, not once the worker was free"
+    assert busy["status"] == 200
+    assert eventually(lambda: _queries(server) - before == BUSY_TOKENS, 10), (
+        _queries(server) - before
+    )

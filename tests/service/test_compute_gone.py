@@ -1,4 +1,4 @@
-"""`pipeline.compute` when the client has hung up: a job its worker answers (a region-socket
+"""`compute.compute` when the client has hung up: a job its worker answers (a region-socket
 call's `Reply`) is decided by its outcome, since the client may have read that answer before
 the service reads the worker's Done; any other job is a hang-up (499) at once. A real engine
 with one worker; the hang-up is a `gone` future already done, so no timing decides it."""
@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import zen_mla
+from service.compute import ClientGoneError, compute
 from service.forms.base import RequestRecord
 from service.held import Held
-from service.pipeline import ClientGoneError, compute
 from service.settings import Settings
 from service.state import ServiceState
 from tests.processes import wait_for
+from zen_mla.deadline import Deadline
 from zen_mla.engine import EngineConfig, PoolConfig, PrefillEngine, Reply, SharedBuffer
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def _hung_up_compute(engine: PrefillEngine, reply_to: socket.socket | None):
     async def main():
         gone = asyncio.get_running_loop().create_future()
         gone.set_result(None)  # the client's socket ended
-        record = RequestRecord("socket", time.perf_counter())
+        record = RequestRecord("socket", time.perf_counter(), Deadline(state.settings.deadline_s))
         held = Held(engine, state.admission.admit_read(0))
         try:
             result = await compute(state, gone, prepared, record, held, inputs=buf, reply=reply)

@@ -245,7 +245,11 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
     ) -> tuple[int, httpx.Headers, Bytes]:
         content = _parts(x.content) if isinstance(x.content, list) else x.content
         async with ep.http.stream(
-            x.method, x.path, content=content, headers=x.headers, extensions=ep.extensions
+            x.method,
+            x.path,
+            content=content,
+            headers=x.headers_within(deadline),
+            extensions=ep.extensions,
         ) as answer:
             resend.answered()
             memory = self._answer_memory if x.tensors else None

@@ -16,6 +16,7 @@ import httpx
 import torch
 
 from .. import wire
+from ..deadline import HEADER, seconds_text
 from ..errors import (
     InvalidInputError,
     OverloadedError,
@@ -67,6 +68,14 @@ class Exchange:
     content: bytes | list[bytes | memoryview] | None = None
     headers: dict[str, str] | None = None
     tensors: int = 0
+
+    def headers_within(self, deadline: Deadline) -> dict[str, str] | None:
+        """The headers an attempt sends: a POST's with what is left of the call's deadline
+        (`Zen-MLA-Timeout`), so that the service drops the work still queued when it passes."""
+        left = deadline.remaining()
+        if self.method != "POST" or left is None:
+            return self.headers
+        return (self.headers or {}) | {HEADER: seconds_text(left)}
 
 
 HEALTH = Exchange("GET", "/health", MAX_HEALTH_BYTES)

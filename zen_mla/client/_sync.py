@@ -245,7 +245,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         content: Any = iter(x.content) if isinstance(x.content, list) else x.content
         http = ep.http
         memory = self._answer_memory if x.tensors else None
-        headers = x.headers
+        headers = x.headers_within(deadline)
         # whether a large answer is read straight from the socket (`read_body`)
         direct = self._transport is None and http.base_url.scheme == "http"
         if direct and x.tensors >= DIRECT_MIN:

@@ -109,7 +109,8 @@ class RegionConnection:
             return None
         try:
             self._calls += 1
-            return self._exchange(numbered(self._calls, fields), None, timeout, self._calls)
+            frame = numbered(self._calls, fields, timeout)
+            return self._exchange(frame, None, timeout, self._calls)
         finally:
             self._lock.release()
 

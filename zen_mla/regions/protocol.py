@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..deadline import seconds_text
+
 __all__ = [
     "CALL_ROOM",
     "MAX_FIELDS",
@@ -50,8 +52,8 @@ MAX_MESSAGE = 64 << 10
 MAX_FIELDS = 16
 _LEN = struct.Struct(">I")
 _CALL = b'{"op":"prefill","call":'
-#: what a call's frame holds beside its fields: its length, its head and its number
-CALL_ROOM = _LEN.size + len(_CALL) + 20
+#: what a call's frame holds beside its fields: its length, its head, its number and timeout
+CALL_ROOM = _LEN.size + len(_CALL) + 20 + 32
 _FLAT = f"a JSON object of at most {MAX_FIELDS} fields, each a string, number, bool or null"
 
 
@@ -74,9 +76,13 @@ def call_fields(fields: dict[str, Any]) -> bytes:
     return b"," + json.dumps(fields, separators=(",", ":")).encode()[1:]
 
 
-def numbered(call: int, fields: bytes) -> bytes:
-    """The frame of call number `call` with `fields` (`call_fields`'s)."""
-    data = b"%s%d%s" % (_CALL, call, fields)
+def numbered(call: int, fields: bytes, timeout: float | None = None) -> bytes:
+    """The frame of call number `call` with `fields` (`call_fields`'s), and the caller's
+    `timeout` (the seconds it has left, where it has a deadline)."""
+    head = b"%s%d" % (_CALL, call)
+    if timeout is not None:
+        head += b',"timeout":%s' % seconds_text(timeout).encode()
+    data = head + fields
     return _LEN.pack(len(data)) + data
 
 
