@@ -184,6 +184,7 @@ BENCHES = (
     "charges",
     "vllm_ttft",
     "balance",
+    "latent",
 )
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 
