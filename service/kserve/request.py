@@ -19,11 +19,19 @@ from typing import Any
 import torch
 
 from zen_mla import InvalidInputError, NotFoundError, WireFormatError
-from zen_mla.deadline import timeout_of
 from zen_mla.wire import PrefillOptions, check_request_id
 from zen_mla.wire.dtypes import BY_KSERVE, kserve_names
 
 from .heads import SMALL_HEAD, check_shape, read_json
+from .parameters import (
+    ShmPlace,
+    count,
+    flag,
+    kind,
+    request_parameters,
+    shm_place,
+    tensor_parameters,
+)
 
 __all__ = [
     "INPUTS",
@@ -52,8 +60,6 @@ INPUTS: dict[str, tuple[tuple[str, ...], int]] = {
 }
 REQUIRED = ("q", "k", "v", "q_cu_seq_lens")
 OUTPUTS = ("out", "lse")
-PARAMETERS = ("causal", "return_lse", "scale", "kernel", "binary_data_output", "timeout")
-_SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 def check_model(model: str, version: str) -> None:
@@ -98,15 +104,6 @@ def model_metadata() -> dict[str, Any]:
             {"name": "lse", "datatype": "FP32", "shape": [-1, -1]},
         ],
     }
-
-
-@dataclass(frozen=True, slots=True)
-class ShmPlace:
-    """A tensor's bytes in a registered system shared memory region."""
-
-    region: str
-    offset: int
-    byte_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +185,11 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInputError("id", "a string", type(request_id).__name__)
     check_request_id("id", request_id)
-    params = _parameters(doc.get("parameters"))
+    params = request_parameters(doc.get("parameters"))
 
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list):
-        raise InvalidInputError("inputs", "a list of input tensors", _kind(raw_inputs))
+        raise InvalidInputError("inputs", "a list of input tensors", kind(raw_inputs))
     inputs: dict[str, InputSpec] = {}
     at = 0  # the binary part's bytes taken by the inputs so far, in their order
     for raw in raw_inputs:
@@ -226,88 +223,9 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
     )
 
 
-def _kind(value: object) -> str:
-    return "none" if value is None else type(value).__name__
-
-
-def _flag(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise InvalidInputError(name, "true or false", repr(value)[:40])
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise InvalidInputError(name, "a whole number >= 0", repr(value)[:40])
-
-
-def _parameters(raw: object) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InvalidInputError("parameters", "a JSON object", _kind(raw))
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in ("causal", "return_lse", "binary_data_output"):
-            out[key] = _flag(key, value)
-        elif key == "scale":
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and value > 0):
-                raise InvalidInputError("scale", "a finite number > 0", repr(value)[:40])
-            out[key] = float(value)
-        elif key == "kernel":
-            if not isinstance(value, str):
-                raise InvalidInputError("kernel", "a string", _kind(value))
-            out[key] = value
-        elif key == "timeout":
-            # microseconds (tritonclient's `timeout=`; 0 for none): the caller's deadline, work
-            # still queued at it is not computed (`zen_mla.deadline`)
-            none = type(value) is int and value == 0
-            out[key] = None if none else timeout_of(value, "timeout", 1e-6)
-        else:
-            raise InvalidInputError(
-                "parameters", f"names among {', '.join(PARAMETERS)}", repr(key)[:60]
-            )
-    return out
-
-
-def _tensor_parameters(name: str, raw: object, binary_key: str) -> dict[str, Any]:
-    """A tensor's `parameters`: `binary_key` and the shared-memory ones, no others."""
-    params = raw or {}
-    if not isinstance(params, dict):
-        raise InvalidInputError(f"{name}.parameters", "a JSON object", _kind(params))
-    unknown = sorted(set(params) - {binary_key, *_SHM_KEYS})
-    if unknown:
-        raise InvalidInputError(
-            f"{name}.parameters",
-            f"names among {binary_key}, " + ", ".join(_SHM_KEYS),
-            repr(unknown[0])[:60],
-        )
-    return params
-
-
-def _shm_place(name: str, params: Mapping[str, Any]) -> ShmPlace | None:
-    given = [k for k in _SHM_KEYS if k in params]
-    if not given:
-        return None
-    region = params.get("shared_memory_region")
-    if not isinstance(region, str):
-        raise InvalidInputError(f"{name}.shared_memory_region", "a region name", _kind(region))
-    if "shared_memory_byte_size" not in params:
-        raise InvalidInputError(f"{name}.shared_memory_byte_size", "a byte count", "none")
-    return ShmPlace(
-        region,
-        _count(f"{name}.shared_memory_offset", params.get("shared_memory_offset", 0)),
-        _count(f"{name}.shared_memory_byte_size", params["shared_memory_byte_size"]),
-    )
-
-
 def _input(raw: object, binary_at: int) -> InputSpec:
     if not isinstance(raw, dict):
-        raise InvalidInputError("inputs", "a list of input tensors (JSON objects)", _kind(raw))
+        raise InvalidInputError("inputs", "a list of input tensors (JSON objects)", kind(raw))
     name = raw.get("name")
     if name not in INPUTS:
         raise InvalidInputError("inputs", f"input names among {', '.join(INPUTS)}", repr(name)[:60])
@@ -324,9 +242,9 @@ def _input(raw: object, binary_at: int) -> InputSpec:
         raise InvalidInputError(
             f"{name}.shape", f"{ndim} dimensions {layout}", str(list(shape))[:60]
         )
-    params = _tensor_parameters(name, raw.get("parameters"), "binary_data_size")
+    params = tensor_parameters(name, raw.get("parameters"), "binary_data_size")
     spec = InputSpec(name, datatype, tuple(shape))
-    shm = _shm_place(name, params)
+    shm = shm_place(name, params)
     sources = [
         k
         for k, on in (
@@ -351,7 +269,7 @@ def _input(raw: object, binary_at: int) -> InputSpec:
             )
         return InputSpec(name, datatype, spec.shape, shm=shm)
     if "binary_data_size" in params:
-        size = _count(f"{name}.binary_data_size", params["binary_data_size"])
+        size = count(f"{name}.binary_data_size", params["binary_data_size"])
         if size != spec.nbytes:
             raise InvalidInputError(
                 f"{name}.binary_data_size",
@@ -367,7 +285,7 @@ def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[Outpu
         names = ("out", "lse") if return_lse else ("out",)
         return tuple(OutputSpec(n, binary=binary_default) for n in names)
     if not isinstance(raw, list):
-        raise InvalidInputError("outputs", "a list of requested outputs", _kind(raw))
+        raise InvalidInputError("outputs", "a list of requested outputs", kind(raw))
     specs: dict[str, OutputSpec] = {}
     for item in raw:
         name = item.get("name") if isinstance(item, dict) else None
@@ -380,9 +298,9 @@ def _outputs(raw: object, return_lse: bool, binary_default: bool) -> tuple[Outpu
             raise InvalidInputError(
                 "lse", "the parameter return_lse: true to compute it", "return_lse false"
             )
-        params = _tensor_parameters(name, item.get("parameters"), "binary_data")
-        binary = _flag(f"{name}.binary_data", params.get("binary_data", binary_default))
-        specs[name] = OutputSpec(name, binary=binary, shm=_shm_place(name, params))
+        params = tensor_parameters(name, item.get("parameters"), "binary_data")
+        binary = flag(f"{name}.binary_data", params.get("binary_data", binary_default))
+        specs[name] = OutputSpec(name, binary=binary, shm=shm_place(name, params))
     return tuple(specs.values())
 
 
