@@ -56,6 +56,9 @@ async def compute(
     (DeadlineExceededError); work begun runs on to its end or the service's deadline."""
     engine = state.engine
     assert engine is not None and held.ticket is not None, "read first"
+    left = None if caller is None else caller.remaining()
+    if caller is not None and left is not None and left <= 0:
+        raise _not_computed(caller)  # its deadline passed before it was queued
     record.info |= {
         "tq": prepared.num_q_tokens,
         "tk": prepared.num_kv_tokens,
@@ -91,10 +94,7 @@ async def compute(
             waiting.cancel()
             watcher.cancel()
             assert caller is not None
-            raise DeadlineExceededError(
-                f"the caller's deadline of {caller.budget:g} s passed while the request was "
-                "queued: it was not computed"
-            )
+            raise _not_computed(caller)
     if expiry is not None:
         expiry.cancel()
     if not waiting.done() and job.replying:
@@ -114,6 +114,13 @@ async def compute(
     state.metrics.observe("compute", record.compute_s)
     state.metrics.count_tokens(prepared.num_q_tokens, prepared.num_kv_tokens)
     return result
+
+
+def _not_computed(caller: Deadline) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"the caller's deadline of {caller.budget:g} s passed before a worker took the request: "
+        "it was not computed"
+    )
 
 
 def _when(deadline: Deadline | None) -> asyncio.Future[None] | None:

@@ -1006,21 +1006,21 @@ def test_the_token_guards_infer_not_health_or_metadata(token_server):
 
 
 def test_the_timeout_parameter_is_checked_and_cannot_abandon_work(token_server):
-    """tritonclient's `timeout=` (microseconds) is accepted, and the service's deadline applies:
-    a client may not make the service stop and replace its workers at will."""
+    """tritonclient's `timeout=` (microseconds) is the caller's deadline: work a worker has not
+    taken by then is not computed (504), work begun runs on to its end; either way no worker is
+    stopped and replaced, which no client may cause at will."""
     x = torch.randn(3000, 8, 192).bfloat16()
     arrays = _arrays(x, x, x[..., :128].contiguous(), torch.tensor([0, 3000], dtype=torch.int32))
     restarts = sum(w["restarts"] for w in token_server.health()["workers"])
+    slow = {"kernel": "reference", "causal": False}  # seconds of work
     with _triton(token_server) as c:
-        result = _infer(
-            c,
-            arrays,
-            headers=TOKEN,
-            timeout=1000,  # 1 ms, far shorter than the work
-            parameters={"kernel": "reference", "causal": False},
-        )
+        with pytest.raises(InferenceServerException, match="not computed"):
+            # 1 us: past before the body is in
+            _infer(c, arrays, headers=TOKEN, timeout=1, parameters=slow)
+        # 0.5 s: the idle worker takes it well before, and the work outlasts it
+        result = _infer(c, arrays, headers=TOKEN, timeout=500_000, parameters=slow)
         assert result.as_numpy("out").shape == (3000, 8, 128)
         assert sum(w["restarts"] for w in token_server.health()["workers"]) == restarts
-        with pytest.raises(InferenceServerException, match="timeout: expected a whole number"):
+        with pytest.raises(InferenceServerException, match="timeout: expected microseconds"):
             _infer(c, arrays, headers=TOKEN, timeout=-1)
         _assert_healthy(token_server, c, headers=TOKEN)
