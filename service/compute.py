@@ -56,8 +56,7 @@ async def compute(
     (DeadlineExceededError); work begun runs on to its end or the service's deadline."""
     engine = state.engine
     assert engine is not None and held.ticket is not None, "read first"
-    left = None if caller is None else caller.remaining()
-    if caller is not None and left is not None and left <= 0:
+    if caller is not None and caller.passed():
         raise _not_computed(caller)  # its deadline passed before it was queued
     record.info |= {
         "tq": prepared.num_q_tokens,

@@ -245,9 +245,8 @@ def _caller_deadline(record: RequestRecord, *timeouts: float | None) -> Deadline
     given = [t for t in timeouts if t is not None]
     if not given:
         return None
-    assert record.deadline.at is not None and record.deadline.budget is not None
-    caller = Deadline(min(given), start=record.deadline.at - record.deadline.budget)
-    assert caller.at is not None
+    caller = Deadline(min(given), start=record.deadline.start)
+    assert caller.at is not None and record.deadline.at is not None
     return caller if caller.at < record.deadline.at else None
 
 

@@ -28,8 +28,8 @@ class Deadline:
 
     def __init__(self, budget: float | None, start: float | None = None) -> None:
         self.budget = budget
-        begun = time.monotonic() if start is None else start
-        self.at = None if budget is None else begun + budget
+        self.start = time.monotonic() if start is None else start
+        self.at = None if budget is None else self.start + budget
         # of what is left, the most a connect may take now (`connect_timeout`): all of it,
         # or a share while the call has another endpoint (set by each attempt)
         self.connect_share = 1.0
@@ -47,9 +47,13 @@ class Deadline:
         share = left if left <= 0 else left * self.connect_share
         return share if timeout is None else min(timeout, share)
 
-    def check(self) -> None:
+    def passed(self) -> bool:
+        """Whether it is past (never without a bound)."""
         left = self.remaining()
-        if left is not None and left <= 0:
+        return left is not None and left <= 0
+
+    def check(self) -> None:
+        if self.passed():
             raise self.exceeded()
 
     def exceeded(self) -> DeadlineExceededError:
