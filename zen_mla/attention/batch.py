@@ -23,7 +23,10 @@ __all__ = [
     "RaggedBatch",
     "Run",
     "check_num_seqs",
+    "check_offsets",
     "check_out",
+    "check_scale",
+    "check_tensor",
     "random_batch",
     "total_visible_pairs",
     "validate",
@@ -146,17 +149,24 @@ class RaggedBatch:
         )
 
 
-def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
+def check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
+    """`t`, a CPU tensor of one of DTYPES with a dimension for each of `layout`'s
+    (`"[Tq, H, Dqk]"`); InvalidInputError naming `name` otherwise."""
+    ndim = layout.count(",") + 1
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(name, f"a torch.Tensor {layout}", type(t).__name__)
     if t.device.type != "cpu":
         raise InvalidInputError(
             name, "a CPU tensor", f"a tensor on {t.device}", "Move it with .cpu() first"
         )
-    if t.ndim != 3:
-        raise InvalidInputError(name, f"a 3-D tensor {layout}", f"shape {tuple(t.shape)}")
+    if t.ndim != ndim:
+        raise InvalidInputError(name, f"a {ndim}-D tensor {layout}", f"shape {tuple(t.shape)}")
     if t.dtype not in DTYPES:
         raise InvalidInputError(name, "dtype bfloat16, float16 or float32", str(t.dtype))
+    return t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()  # kernels read rows with unit stride
 
 
@@ -224,9 +234,9 @@ def validate(
 ) -> RaggedBatch:
     """Check every rule of the contract; raise `InvalidInputError` naming the first one broken.
     `max_seqs` caps the sequences of the batch (a service's limit; None: no cap)."""
-    q = _check_tensor("q", q, "[Tq, H, Dqk]")
-    k = _check_tensor("k", k, "[Tk, H, Dqk]")
-    v = _check_tensor("v", v, "[Tk, H, Dv]")
+    q = _rows(check_tensor("q", q, "[Tq, H, Dqk]"))
+    k = _rows(check_tensor("k", k, "[Tk, H, Dqk]"))
+    v = _rows(check_tensor("v", v, "[Tk, H, Dv]"))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
     tq, h, dqk = q.shape
@@ -244,32 +254,52 @@ def validate(
         )
     if not 1 <= v.shape[2] <= dqk:
         raise InvalidInputError("v", f"head dim 1 <= Dv <= Dqk = {dqk}", f"Dv = {v.shape[2]}")
+    q_cu, kv_cu = check_offsets(
+        q_cu_seq_lens, kv_cu_seq_lens, tq, int(k.shape[0]), keys="k", max_seqs=max_seqs
+    )
+    return RaggedBatch(q, k, v, q_cu, kv_cu, bool(causal), check_scale(scale, dqk))
+
+
+def check_offsets(
+    q_cu_seq_lens: object,
+    kv_cu_seq_lens: object | None,
+    tq: int,
+    tk: int,
+    *,
+    keys: str,
+    max_seqs: int | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The offsets of a batch of `tq` queries over `tk` keys (the tensor `keys` names): each
+    `[B + 1]`, from 0, non-decreasing, to its total; `kv_cu_seq_lens` None only where the
+    counts are the same. InvalidInputError naming the first rule broken."""
     q_cu = _check_cu_seq_lens("q_cu_seq_lens", q_cu_seq_lens, tq, "Tq", max_seqs)
     if kv_cu_seq_lens is None:
-        if k.shape[0] != tq:
+        if tk != tq:
             raise InvalidInputError(
                 "kv_cu_seq_lens",
-                "a tensor when k has a different token count than q",
-                f"None with Tq = {tq}, Tk = {k.shape[0]}",
+                f"a tensor when {keys} has a different token count than q",
+                f"None with Tq = {tq}, Tk = {tk}",
             )
-        kv_cu = q_cu
-    else:
-        kv_cu = _check_cu_seq_lens(
-            "kv_cu_seq_lens", kv_cu_seq_lens, int(k.shape[0]), "Tk", max_seqs
+        return q_cu, q_cu
+    kv_cu = _check_cu_seq_lens("kv_cu_seq_lens", kv_cu_seq_lens, tk, "Tk", max_seqs)
+    if len(kv_cu) != len(q_cu):
+        raise InvalidInputError(
+            "kv_cu_seq_lens",
+            f"{len(q_cu)} offsets (B + 1, as q_cu_seq_lens)",
+            f"{len(kv_cu)} offsets",
         )
-        if len(kv_cu) != len(q_cu):
-            raise InvalidInputError(
-                "kv_cu_seq_lens",
-                f"{len(q_cu)} offsets (B + 1, as q_cu_seq_lens)",
-                f"{len(kv_cu)} offsets",
-            )
+    return q_cu, kv_cu
+
+
+def check_scale(scale: object, dqk: int) -> float:
+    """The score scale: `dqk ** -0.5` for None, else a finite number > 0."""
     if scale is None:
-        scale = dqk**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, int | float):
+        return float(dqk**-0.5)
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise InvalidInputError("scale", "a float or None", type(scale).__name__)
-    elif not (math.isfinite(scale) and scale > 0):
+    if not (math.isfinite(scale) and scale > 0):
         raise InvalidInputError("scale", "a finite number > 0", repr(scale))
-    return RaggedBatch(q, k, v, q_cu, kv_cu, bool(causal), float(scale))
+    return float(scale)
 
 
 def check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from typing import Literal, overload
 import torch
 
 from ..errors import InvalidInputError
-from .batch import DTYPES, validate
+from .batch import check_offsets, check_scale, check_tensor
 
 __all__ = [
     "CROSSOVER",
@@ -97,26 +97,6 @@ class LatentBatch:
         return len(self.q_cu_seq_lens) - 1
 
 
-def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
-    ndim = layout.count(",") + 1
-    if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(name, f"a torch.Tensor {layout}", type(t).__name__)
-    if t.device.type != "cpu":
-        raise InvalidInputError(
-            name, "a CPU tensor", f"a tensor on {t.device}", "Move it with .cpu() first"
-        )
-    if t.ndim != ndim:
-        raise InvalidInputError(name, f"a {ndim}-D tensor {layout}", f"shape {tuple(t.shape)}")
-    if t.dtype not in DTYPES:
-        raise InvalidInputError(name, "dtype bfloat16, float16 or float32", str(t.dtype))
-    return t
-
-
-def _stand_in(tokens: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """`[tokens, heads, dim]` over one row of `dim` values, every token and head the same."""
-    return torch.empty(dim, dtype=dtype).as_strided((tokens, heads, dim), (0, 0, 1))
-
-
 def validate_latent(
     q: object,
     kv_c: object,
@@ -130,10 +110,10 @@ def validate_latent(
 ) -> LatentBatch:
     """Check every rule of `latent_attention`'s contract; raise `InvalidInputError` naming the
     first one broken."""
-    q = _check_tensor("q", q, "[Tq, H, Dqk]")
-    kv_c = _check_tensor("kv_c", kv_c, "[Tk, kv_lora_rank]")
-    k_pe = _check_tensor("k_pe", k_pe, "[Tk, rope_dim]")
-    w_kv_b = _check_tensor("w_kv_b", w_kv_b, "[H * (qk_nope_dim + v_head_dim), kv_lora_rank]")
+    q = check_tensor("q", q, "[Tq, H, Dqk]")
+    kv_c = check_tensor("kv_c", kv_c, "[Tk, kv_lora_rank]")
+    k_pe = check_tensor("k_pe", k_pe, "[Tk, rope_dim]")
+    w_kv_b = check_tensor("w_kv_b", w_kv_b, "[H * (qk_nope_dim + v_head_dim), kv_lora_rank]")
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("w_kv_b", w_kv_b)):
         if t.dtype != q.dtype:
             raise InvalidInputError(name, f"the dtype of q ({q.dtype})", str(t.dtype))
@@ -170,20 +150,8 @@ def validate_latent(
             f"{rows} rows",
             "kv_b_proj's weight is [out, in]: pass the Linear's weight, not its transpose",
         )
-    if kv_cu_seq_lens is None and tk != tq:
-        raise InvalidInputError(
-            "kv_cu_seq_lens",
-            "a tensor when kv_c has a different token count than q",
-            f"None with Tq = {tq}, Tk = {tk}",
-        )
-    # The rules of the offsets and of the scale have one home, the ragged batch's: checked there
-    # on stand-ins for k and v, which have their shapes and dtype but no bytes (it reads no
-    # values of k and v)
-    k, v = _stand_in(tk, h, dqk, q.dtype), _stand_in(tk, h, 1, q.dtype)
-    r = validate(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale)
-    return LatentBatch(
-        r.q, kv_c, k_pe, w_kv_b, r.q_cu_seq_lens, r.kv_cu_seq_lens, r.causal, r.scale
-    )
+    q_cu, kv_cu = check_offsets(q_cu_seq_lens, kv_cu_seq_lens, tq, tk, keys="kv_c")
+    return LatentBatch(q, kv_c, k_pe, w_kv_b, q_cu, kv_cu, bool(causal), check_scale(scale, dqk))
 
 
 @overload
