@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
-from zen_mla import InvalidInputError, WireFormatError, ZenMLAError
+from zen_mla import InvalidInputError, ZenMLAError
 from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.regions import off_error
 from zen_mla.wire import tensor_bytes
@@ -34,7 +33,7 @@ from ..settings import Settings
 from ..state import ServiceState
 from . import request as kr
 from .grpc_errors import GrpcError, grpc_error
-from .grpc_wire import response_bytes, split_request
+from .grpc_wire import parse, read_request, response_bytes
 from .infer import V2Form, from_json, input_tensors, place_inputs
 from .outputs import Places, write_to_region
 from .register import REGISTER_BYTES, regions_of, registry_of
@@ -46,7 +45,6 @@ __all__ = [
     "GrpcRegisterForm",
     "GrpcReply",
     "message_limit",
-    "parse",
 ]
 
 #: the largest message gRPC's transport takes (its limit is a signed 32-bit count)
@@ -65,18 +63,6 @@ class GrpcReply:
 #: a call's answer: its response, an error status, or None (the caller is gone)
 GrpcAnswer = GrpcReply | GrpcError | None
 _CONTENTS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
-
-
-M = TypeVar("M", bound=Message)
-
-
-def parse(kind: type[M], raw: bytes) -> M:
-    """`raw` as a `kind` message (WireFormatError where it is none)."""
-    try:
-        msg: M = kind.FromString(raw)
-        return msg
-    except DecodeError as exc:
-        raise WireFormatError("message", f"a {kind.__name__}", str(exc)[:120]) from None
 
 
 def message_limit(settings: Settings) -> int:
@@ -171,8 +157,8 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
         self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
     ) -> Work:
         assert isinstance(body, bytes)
-        head, raws = split_request(body, self.max_json_bytes)
-        if len(head) > SMALL_BYTES:
+        head, raws = read_request(body, self.max_json_bytes)
+        if isinstance(head, bytes) and len(head) > SMALL_BYTES:
             async with self.big_json:
                 req, tensors = await asyncio.to_thread(self._read, head, raws)
         else:
@@ -200,9 +186,9 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
         return Work(tensors, req.options, homes, made, req.timeout)
 
     def _read(
-        self, head: bytes, raws: list[memoryview]
+        self, head: pb.ModelInferRequest | bytes, raws: list[memoryview]
     ) -> tuple[kr.InferRequest, dict[str, torch.Tensor]]:
-        msg = parse(pb.ModelInferRequest, head)
+        msg = head if isinstance(head, pb.ModelInferRequest) else parse(pb.ModelInferRequest, head)
         kr.check_model(msg.model_name, msg.model_version)
         doc, raw_names = request_doc(msg, len(raws))
         sizes = dict(zip(raw_names, (r.nbytes for r in raws), strict=True))

@@ -51,9 +51,9 @@ from .grpc_infer import (
     GrpcRegisterForm,
     GrpcReply,
     message_limit,
-    parse,
 )
 from .grpc_limits import CallLimits
+from .grpc_wire import parse
 from .register import REGISTER_BYTES, regions_of
 
 __all__ = ["SERVICE", "GrpcListenError", "MethodForm", "grpc_options", "start_grpc"]

@@ -7,22 +7,36 @@ protobuf's objects).
 The walk leaves a request's `raw_input_contents` where they lie, hands protobuf the rest (within
 the JSON cap), and counts what protobuf would build beyond that: inputs, outputs, parameters
 entries, a shape's dimensions and typed contents' values (against the shape), within a budget of
-fields, and refuses a count past its bound (`kserve.heads`) before a Python object is made."""
+fields, and refuses a count past its bound (`kserve.heads`) before a Python object is made.
+
+A message of at most `SMALL_HEAD` bytes (a JSON head's bound for the same rule) is parsed by
+protobuf first and counted after (`read_request`): its objects are bounded by its size, and the
+walk in Python costs fifty times protobuf's parse of a one-token call."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from zen_mla import BodyTooLargeError, InvalidInputError, WireFormatError
 
-from .heads import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS, check_count, check_shape
+from .heads import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS, SMALL_HEAD, check_count, check_shape
 
-__all__ = ["MAX_FIELDS", "TYPED_FIELD", "response_bytes", "split_request"]
+__all__ = [
+    "MAX_FIELDS",
+    "TYPED_FIELD",
+    "parse",
+    "read_request",
+    "response_bytes",
+    "split_request",
+]
+
+M = TypeVar("M", bound=Message)
 
 _REQUEST = pb.ModelInferRequest.DESCRIPTOR.fields_by_name
 _INPUT = pb.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name
@@ -45,6 +59,21 @@ _BYTES_CONTENTS = pb.InferTensorContents.DESCRIPTOR.fields_by_name["bytes_conten
 #: the typed contents field of each datatype that has one (the protocol's; BF16 and FP16 have
 #: none and travel raw)
 TYPED_FIELD = {"FP32": "fp32_contents", "INT32": "int_contents", "INT64": "int64_contents"}
+
+
+def parse(kind: type[M], raw: bytes) -> M:
+    """`raw` as a `kind` message (WireFormatError where it is none)."""
+    try:
+        msg: M = kind.FromString(raw)
+        return msg
+    except DecodeError as exc:
+        raise WireFormatError("message", f"a {kind.__name__}", str(exc)[:120]) from None
+
+
+def _at_most(where: str, bound: int, what: str, count: int, given: str = "more") -> None:
+    """InvalidInputError where `count` is past `bound` (`given`: what the refusal says came)."""
+    if count > bound:
+        raise InvalidInputError(where, f"at most {bound} {what}", given)
 
 
 def _varint(view: memoryview, at: int) -> tuple[int, int]:
@@ -194,10 +223,7 @@ class _Walk:
         """One entry of a tensor's parameters map."""
         self.length_delimited(g, f"{t.label}.parameters")
         t.parameters += 1
-        if t.parameters > MAX_PARAMETERS:
-            raise InvalidInputError(
-                f"{t.label}.parameters", f"at most {MAX_PARAMETERS} entries", "more"
-            )
+        _at_most(f"{t.label}.parameters", MAX_PARAMETERS, "entries", t.parameters)
 
     def shape(self, t: _Tensor, g: _Field) -> None:
         """Dims packed (counted at once) or one a field; decoded while at most MAX_DIMS."""
@@ -208,10 +234,7 @@ class _Walk:
         else:
             raise WireFormatError(f"{t.label}.shape", "wire type 0 or 2", str(g.wire))
         t.ndims += count
-        if t.ndims > MAX_DIMS:
-            raise InvalidInputError(
-                f"{t.label}.shape", f"at most {MAX_DIMS} dimensions", str(t.ndims)
-            )
+        _at_most(f"{t.label}.shape", MAX_DIMS, "dimensions", t.ndims, str(t.ndims))
         at = g.at
         for _ in range(count):
             value, at = _varint(self.view, at)
@@ -282,25 +305,62 @@ def split_request(raw: bytes, max_head: int) -> tuple[bytes, list[memoryview]]:
         size += f.stop - f.start
         if f.number == _INPUTS:
             inputs += 1
-            if inputs > MAX_TENSORS:
-                raise InvalidInputError("inputs", f"at most {MAX_TENSORS} tensors", "more")
+            _at_most("inputs", MAX_TENSORS, "tensors", inputs)
             _check_input(walk.input(f, f"inputs[{inputs - 1}]"))
         elif f.number == _OUTPUTS:
             outputs += 1
-            if outputs > MAX_TENSORS:
-                raise InvalidInputError("outputs", f"at most {MAX_TENSORS} tensors", "more")
+            _at_most("outputs", MAX_TENSORS, "tensors", outputs)
             walk.output(f, f"outputs[{outputs - 1}]")
         elif f.number == _PARAMETERS:
             walk.length_delimited(f, "parameters")
             parameters += 1
-            if parameters > MAX_PARAMETERS:
-                raise InvalidInputError("parameters", f"at most {MAX_PARAMETERS} entries", "more")
+            _at_most("parameters", MAX_PARAMETERS, "entries", parameters)
     if size > max_head:
         raise BodyTooLargeError(
             f"request message: expected at most {max_head} bytes besides raw_input_contents, got "
             f"{size}; send tensors as raw_input_contents"
         )
     return b"".join(head), raws
+
+
+def _count_parsed(msg: pb.ModelInferRequest) -> None:
+    """What `split_request`'s walk counts, counted on a parsed message: the same bounds, the
+    same refusals."""
+    _at_most("inputs", MAX_TENSORS, "tensors", len(msg.inputs))
+    _at_most("outputs", MAX_TENSORS, "tensors", len(msg.outputs))
+    _at_most("parameters", MAX_PARAMETERS, "entries", len(msg.parameters))
+    for i, tensor in enumerate(msg.inputs):
+        contents = tensor.HasField("contents")
+        within = len(tensor.shape) <= MAX_DIMS and len(tensor.parameters) <= MAX_PARAMETERS
+        if within and not contents:
+            continue  # the common case: nothing more to count, no object made
+        t = _Tensor(f"inputs[{i}]", tensor.name.encode(), tensor.datatype, contents=contents)
+        t.ndims = len(tensor.shape)
+        _at_most(f"{t.label}.shape", MAX_DIMS, "dimensions", t.ndims, str(t.ndims))
+        _at_most(f"{t.label}.parameters", MAX_PARAMETERS, "entries", len(tensor.parameters))
+        t.dims = list(tensor.shape)
+        t.values = {f.name: len(v) for f, v in tensor.contents.ListFields()}
+        _check_input(t)
+    for i, out in enumerate(msg.outputs):
+        if len(out.parameters) > MAX_PARAMETERS:
+            label = _Tensor(f"outputs[{i}]", out.name.encode()).label
+            _at_most(f"{label}.parameters", MAX_PARAMETERS, "entries", len(out.parameters))
+
+
+def read_request(
+    raw: bytes, max_head: int
+) -> tuple[pb.ModelInferRequest | bytes, list[memoryview]]:
+    """`raw`, a ModelInferRequest, as its head and its raw contents in order, with the refusals
+    of `split_request`. A message of at most `SMALL_HEAD` bytes (and `max_head`) is parsed
+    first and counted after: its head comes parsed. A larger one is walked first: its head
+    comes as bytes, for the caller to `parse` (in a thread where it is large)."""
+    if len(raw) > min(SMALL_HEAD, max_head):
+        return split_request(raw, max_head)
+    msg = parse(pb.ModelInferRequest, raw)
+    _count_parsed(msg)
+    raws = [memoryview(r) for r in msg.raw_input_contents]
+    msg.ClearField("raw_input_contents")
+    return msg, raws
 
 
 def response_bytes(head: bytes, raws: Sequence[bytes | memoryview]) -> bytes:

@@ -1,8 +1,9 @@
 """gRPC's pieces that need no server: a ModelInferRequest split around its raw contents as
 protobuf would read it, every malformed message and every count past its bound (nested ones
-too) refused before protobuf sees it, typed contents held to their datatype and shape, a
-response with raw contents appended as protobuf writes it, errors as statuses from the one
-table, and a peer's address."""
+too) refused before protobuf sees it, typed contents held to their datatype and shape, the same
+counts and refusals where a small message is parsed first (`read_request`), a response with
+raw contents appended as protobuf writes it, errors as statuses from the one table, and a
+peer's address."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ from tritonclient.grpc import service_pb2 as pb
 import zen_mla
 from service.doors import peer_host
 from service.kserve.grpc_errors import grpc_error
-from service.kserve.grpc_wire import MAX_FIELDS, TYPED_FIELD, response_bytes, split_request
-from service.kserve.heads import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS
+from service.kserve.grpc_wire import (
+    MAX_FIELDS,
+    TYPED_FIELD,
+    read_request,
+    response_bytes,
+    split_request,
+)
+from service.kserve.heads import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS, SMALL_HEAD
 from tests.service.protobuf_bytes import field, key, varint
 from zen_mla.errors import BodyTooLargeError, WireFormatError
 
@@ -43,6 +50,32 @@ def test_the_split_is_what_protobuf_reads():
     parsed = pb.ModelInferRequest.FromString(head)
     request.ClearField("raw_input_contents")
     assert parsed == request
+
+
+def _parsed_first(raw: bytes, max_head: int) -> tuple[bytes, list[memoryview]]:
+    """`read_request` on a message small enough to be parsed first, its head serialized."""
+    assert len(raw) <= SMALL_HEAD
+    head, raws = read_request(raw, max_head)
+    assert isinstance(head, pb.ModelInferRequest)
+    return head.SerializeToString(), raws
+
+
+#: the two ways a request's head is counted: walked first, parsed first
+READS = pytest.mark.parametrize("read", [split_request, _parsed_first], ids=["walked", "parsed"])
+
+
+@pytest.mark.parametrize("size", [300, SMALL_HEAD])
+def test_a_small_message_is_parsed_first_a_large_one_walked(size):
+    request = _request([b"\x05" * size])
+    raw = request.SerializeToString()
+    head, raws = read_request(raw, 1 << 20)
+    assert [bytes(r) for r in raws] == [b"\x05" * size]
+    request.ClearField("raw_input_contents")
+    if len(raw) <= SMALL_HEAD:
+        assert head == request
+    else:
+        assert isinstance(head, bytes) and pb.ModelInferRequest.FromString(head) == request
+    assert isinstance(read_request(raw, len(raw) - 1)[0], bytes)  # the head cap is the walk's
 
 
 @pytest.mark.parametrize(
@@ -140,8 +173,9 @@ def test_counts_at_their_bounds_pass_and_are_what_protobuf_reads():
     fp32.ClearField("contents")
     fp32.contents.fp32_contents.extend([0.5])
     raw = request.SerializeToString()
-    head, raws = split_request(raw, len(raw))
-    assert raws == [] and pb.ModelInferRequest.FromString(head) == request
+    for read in (split_request, _parsed_first):
+        head, raws = read(raw, len(raw))
+        assert raws == [] and pb.ModelInferRequest.FromString(head) == request
 
 
 #: messages past a bound: what the refusal names
@@ -181,8 +215,9 @@ PAST_BOUNDS = {
 }
 
 
+@READS
 @pytest.mark.parametrize("case", PAST_BOUNDS.values(), ids=PAST_BOUNDS.keys())
-def test_a_count_past_its_bound_is_refused_naming_the_field(case):
+def test_a_count_past_its_bound_is_refused_naming_the_field(case, read):
     make, message = case
     if make is None:
         dims = b"".join(key(3, 0) + varint(1) for _ in range(9))
@@ -190,7 +225,7 @@ def test_a_count_past_its_bound_is_refused_naming_the_field(case):
     else:
         raw = _with(make)
     with pytest.raises(zen_mla.InvalidInputError, match=message) as info:
-        split_request(raw, 1 << 20)
+        read(raw, 1 << 20)
     assert not isinstance(info.value, WireFormatError)
     assert grpc_error(info.value).code == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -246,13 +281,14 @@ TYPED = {
 }
 
 
+@READS
 @pytest.mark.parametrize("case", TYPED.values(), ids=TYPED.keys())
-def test_typed_contents_are_their_datatypes_and_as_many_as_the_shape(case):
+def test_typed_contents_are_their_datatypes_and_as_many_as_the_shape(case, read):
     request, message = case
     if not request.inputs[0].HasField("contents"):
         request.inputs[0].contents.SetInParent()
     with pytest.raises(zen_mla.InvalidInputError, match=message) as info:
-        split_request(request.SerializeToString(), 1 << 20)
+        read(request.SerializeToString(), 1 << 20)
     assert not isinstance(info.value, WireFormatError)
 
 
@@ -313,6 +349,14 @@ def test_any_bytes_are_split_or_refused_never_a_crash(noise, at, insert):
     _params(good.inputs[0], 3)
     raw = good.SerializeToString()
     for message in (noise, raw[:at] + insert + raw[at + len(insert) :], raw[:at]):
+        try:
+            parsed_first, _ = read_request(message, 1 << 20)
+        except zen_mla.InvalidInputError:  # WireFormatError among them
+            pass
+        else:
+            assert isinstance(parsed_first, pb.ModelInferRequest)
+            assert len(parsed_first.inputs) <= MAX_TENSORS
+            assert all(len(t.shape) <= MAX_DIMS for t in parsed_first.inputs)
         try:
             head, _ = split_request(message, 1 << 20)
         except (zen_mla.InvalidInputError, BodyTooLargeError):
