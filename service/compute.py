@@ -65,7 +65,7 @@ async def compute(
     }
     held.ticket.enqueue()
     batch = prepared.batch
-    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.v.element_size()
+    out_bytes = prepared.num_q_tokens * batch.num_heads * batch.v_head_dim * batch.q.element_size()
     run = functools.partial(
         engine.run,
         prepared,

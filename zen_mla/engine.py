@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from .attention.batch import RaggedBatch, check_num_seqs, validate
+from .attention.batch import RaggedBatch, check_num_seqs, validate, visible_pairs
 from .attention.driver import workspace_bytes
+from .attention.latent import CROSSOVER, FORMS, KEY_BLOCK, SCORE_BUDGET_BYTES, LatentBatch
+from .attention.latent import validate_latent as _validate_latent
 from .attention.select import KernelChoice, select_kernel
 from .attention.status import host_status
 from .caller import Caller
@@ -37,6 +39,7 @@ from .pool import OutputPlaces, PoolConfig, PoolJob, PoolResult, Reply, SharedBu
 from .wire import PrefillOptions
 
 __all__ = [
+    "LATENT_TENSORS",
     "Cost",
     "EngineConfig",
     "OutputPlaces",
@@ -47,10 +50,14 @@ __all__ = [
     "PrefillResult",
     "Reply",
     "SharedBuffer",
+    "latent_work",
+    "latent_workspace_bytes",
 ]
 
 #: the tensors of a prefill request, by the contract's names
 REQUIRED_TENSORS = ("q", "k", "v", "q_cu_seq_lens")
+#: those of a request whose keys and values are MLA's latent cache (`latent_attention`)
+LATENT_TENSORS = ("q", "kv_c", "k_pe", "w_kv_b", "q_cu_seq_lens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +105,13 @@ class Cost:
 @dataclass(frozen=True, slots=True)
 class PrefillRequest:
     """A validated batch within the work cap, the kernels chosen for it and what it will cost
-    (`prepare()`)."""
+    (`prepare()`). A batch over the latent cache is computed by `latent_attention` in `form`
+    (its kernels named "latent")."""
 
-    batch: RaggedBatch
+    batch: RaggedBatch | LatentBatch
     kernels: KernelChoice
     cost: Cost
+    form: str | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -114,7 +123,8 @@ class PrefillRequest:
 
     @property
     def num_kv_tokens(self) -> int:
-        return int(self.batch.k.shape[0])
+        keys = self.batch.kv_c if isinstance(self.batch, LatentBatch) else self.batch.k
+        return int(keys.shape[0])
 
 
 class PrefillJob:
@@ -263,6 +273,8 @@ class PrefillEngine:
         Errors as `zen_mla.ragged_attention`'s (a missing tensor is named), plus
         WorkTooLargeError over the work cap (the work as the chosen kernel computes it)."""
         options = options or PrefillOptions()
+        if "kv_c" in tensors:
+            return self._prepare_latent(tensors, options)
         for name in REQUIRED_TENSORS:
             if name not in tensors:
                 raise InvalidInputError(name, "a tensor of that name in the request", "none")
@@ -296,6 +308,51 @@ class PrefillEngine:
         )
         return PrefillRequest(batch, KernelChoice.of(chosen, return_lse=return_lse), cost)
 
+    def _prepare_latent(
+        self, tensors: Mapping[str, torch.Tensor], options: PrefillOptions
+    ) -> PrefillRequest:
+        """`prepare` for a batch over the latent cache: q, kv_c, k_pe, w_kv_b, q_cu_seq_lens
+        and optional kv_cu_seq_lens; `options.form` says how it is attended."""
+        for name in ("k", "v"):
+            if name in tensors:
+                raise InvalidInputError(
+                    name, "no k or v beside kv_c (a request over the latent cache)", "one"
+                )
+        for name in LATENT_TENSORS:
+            if name not in tensors:
+                raise InvalidInputError(name, "a tensor of that name in the request", "none")
+        if options.form not in FORMS:
+            raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(options.form))
+        batch = _validate_latent(
+            tensors["q"],
+            tensors["kv_c"],
+            tensors["k_pe"],
+            tensors["w_kv_b"],
+            tensors["q_cu_seq_lens"],
+            tensors.get("kv_cu_seq_lens"),
+            causal=options.causal,
+            scale=options.scale,
+        )
+        check_num_seqs("q_cu_seq_lens", batch.num_seqs + 1, self.config.max_seqs)
+        work = latent_work(batch, options.form)
+        if self.config.max_work is not None and work > self.config.max_work:
+            raise WorkTooLargeError(
+                "work",
+                f"multiply-adds of the latent attention's products <= {self.config.max_work} "
+                "(the service's cap)",
+                str(work),
+                "Split the batch into smaller requests",
+            )
+        tq, h, _ = batch.q.shape
+        result = tq * h * batch.v_head_dim * batch.q.element_size()
+        cost = Cost(
+            work,
+            latent_workspace_bytes(batch, threads=self._threads),
+            result + (h * tq * 4 if options.return_lse else 0),
+        )
+        kernels = KernelChoice("latent", "latent" if options.return_lse else None)
+        return PrefillRequest(batch, kernels, cost, options.form)
+
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError
         naming it otherwise), for a caller that must check before reading it."""
@@ -323,7 +380,7 @@ class PrefillEngine:
         kernels = request.kernels
         job = self._pool.submit_batch(
             request.batch,
-            kernels.out,
+            request.form or kernels.out,
             return_lse=kernels.lse is not None,
             inputs=inputs,
             outputs=outputs,
@@ -332,3 +389,36 @@ class PrefillEngine:
             caller=caller,
         )
         return PrefillJob(request, job)
+
+
+def latent_work(batch: LatentBatch, form: str) -> int:
+    """Multiply-adds of a latent batch's products (`attention.latent`'s cost model), each
+    sequence in the form `form` takes for it: expand, `R (Dn + Dv)` a head and key to make k and
+    v, then `Dqk + Dv` a head and visible pair; absorb, `(R + P) + R` a head and visible pair,
+    and `R (Dn + Dv)` a head and query to fold the weight into q and out."""
+    h, rank, rope = batch.num_heads, batch.kv_lora_rank, batch.rope_dim
+    nope, dv = batch.qk_nope_dim, batch.v_head_dim
+    qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
+    work = 0
+    for r in range(batch.num_seqs):
+        sq, sk = qc[r + 1] - qc[r], kc[r + 1] - kc[r]
+        pairs = visible_pairs(sq, sk, batch.causal)
+        if form == "absorb" or (form == "auto" and sq < CROSSOVER):
+            work += h * ((2 * rank + rope) * pairs + rank * (nope + dv) * sq)
+        elif sq:
+            work += h * (rank * (nope + dv) * sk + (nope + rope + dv) * pairs)
+    return work
+
+
+def latent_workspace_bytes(batch: LatentBatch, *, threads: int) -> int:
+    """An upper bound of what `latent_attention` allocates beyond its inputs and results, for
+    a worker's `threads` (all fp32): the weight, a key block made from the latent, a block of
+    scores, and the longest sequence's queries and running output in either form."""
+    h, rank, rope = batch.num_heads, batch.kv_lora_rank, batch.rope_dim
+    nope, dv = batch.qk_nope_dim, batch.v_head_dim
+    qc = batch.q_cu_seq_lens
+    longest = max((qc[r + 1] - qc[r] for r in range(batch.num_seqs)), default=0)
+    weight = h * (nope + dv) * rank
+    block = KEY_BLOCK * (h * (nope + dv) + rank + rope)
+    queries = longest * h * (2 * (rank + rope) + nope + rope + dv)
+    return 4 * (weight + block + queries) + SCORE_BUDGET_BYTES * max(threads, 1)

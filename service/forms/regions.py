@@ -120,7 +120,7 @@ class RegionsRequest:
         registry, places = self.registry, resolved.places
         batch = prepared.batch
         wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "out": ((batch.q.shape[0], batch.num_heads, batch.v_head_dim), batch.v.dtype)
+            "out": ((batch.q.shape[0], batch.num_heads, batch.v_head_dim), batch.q.dtype)
         }
         if resolved.options.return_lse:
             wanted["lse"] = ((batch.num_heads, batch.q.shape[0]), torch.float32)

@@ -39,7 +39,7 @@ def output_places(
     JSON ones within the JSON cap."""
     batch = prepared.batch
     shapes = {
-        "out": (torch.Size((batch.q.shape[0], batch.num_heads, batch.v_head_dim)), batch.v.dtype),
+        "out": (torch.Size((batch.q.shape[0], batch.num_heads, batch.v_head_dim)), batch.q.dtype),
         "lse": (torch.Size((batch.num_heads, batch.q.shape[0])), torch.float32),
     }
     places: dict[str, tuple[SystemRegion, torch.Size, torch.dtype] | None] = {}

@@ -18,6 +18,7 @@ __all__ = [
     "Failed",
     "Forget",
     "Heartbeat",
+    "Latent",
     "Piece",
     "Ready",
     "RunTask",
@@ -71,9 +72,21 @@ class BufferUse:
 
 
 @dataclass(frozen=True)
+class Latent:
+    """A batch's keys and values as MLA's latent cache (`attention.latent`): `kv_c` `[Tk, R]`,
+    `k_pe` `[Tk, P]` and the layer's `w_kv_b` `[H * (Dn + Dv), R]`, attended in `form`."""
+
+    kv_c: TensorRef
+    k_pe: TensorRef
+    w_kv_b: TensorRef
+    form: str
+
+
+@dataclass(frozen=True)
 class TaskSpec:
-    """One worker's share of a batch: `pieces` of it over `q`, `k`, `v`, written to `out` (and
-    `lse`), on `threads` of the worker's (0: all of them). `forget`: buffer ids the worker is to
+    """One worker's share of a batch: `pieces` of it over `q` and `k`, `v` (or the `latent`
+    cache: then `k` and `v` are None), written to `out` (and `lse`), on `threads` of the
+    worker's (0: all of them). `forget`: buffer ids the worker is to
     unmap (freed by the supervisor). `reply`: a frame the worker writes, once the task is done
     and before its `Done`, to the socket whose descriptor rides last with the message (the
     caller's, answered with no hop back here)."""
@@ -82,10 +95,11 @@ class TaskSpec:
     causal: bool
     scale: float
     q: TensorRef
-    k: TensorRef
-    v: TensorRef
+    k: TensorRef | None
+    v: TensorRef | None
     out: TensorRef
     lse: TensorRef | None
+    latent: Latent | None = None
     pieces: tuple[Piece, ...] = ()
     buffers: tuple[BufferUse, ...] = ()
     forget: tuple[int, ...] = ()

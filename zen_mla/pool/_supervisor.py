@@ -17,14 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from ..attention.batch import RaggedBatch
+from ..attention.latent import LatentBatch
 from ..attention.status import host_status
 from ..errors import KernelError, PoolClosedError, ServiceUnavailableError
 from ._config import PoolConfig
 from ._direct import DirectRun
 from ._dispatch import Dispatcher, WorkerState
 from ._job import OutputPlaces, PoolJob, PoolResult, Reply, Task
-from ._messages import TaskSpec
+from ._messages import Latent, TaskSpec
 from ._process import WorkerProcess
 from ._schedule import schedule
 from ._shm import BufferCache, SharedBuffer, WorkerMappings, tensor_ref
@@ -180,7 +183,7 @@ class WorkerPool:
 
     def submit_batch(
         self,
-        batch: RaggedBatch,
+        batch: RaggedBatch | LatentBatch,
         kernel: str,
         *,
         return_lse: bool,
@@ -198,37 +201,50 @@ class WorkerPool:
         then goes straight to an idle worker from this thread, and its answer is read here
         too (`_direct`); the job completes in the loop's thread. `reply`: written by that
         worker once the work is done (`Reply`); a batch queued instead is never answered so.
-        `caller`: who asks (any hashable name); queued tasks take turns between callers."""
+        `caller`: who asks (any hashable name); queued tasks take turns between callers.
+
+        A `LatentBatch` (keys and values as MLA's latent cache) is run in the form `kernel`
+        names ("expand", "absorb" or "auto"), its `w_kv_b` read in place like its other inputs
+        (a weight registered once lies in a buffer of its own, given in `inputs`)."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
+        inputs_of: tuple[torch.Tensor, ...]
+        if isinstance(batch, LatentBatch):
+            inputs_of = (batch.q, batch.kv_c, batch.k_pe, batch.w_kv_b)
+        else:
+            inputs_of = (batch.q, batch.k, batch.v)
         if outputs is None:
-            outputs = self._cache.outputs(tq, h, batch.v_head_dim, batch.v.dtype, return_lse)
+            outputs = self._cache.outputs(tq, h, batch.v_head_dim, batch.q.dtype, return_lse)
             cache: BufferCache | None = self._cache  # the outputs' buffer goes back to it
         else:
             cache = None  # a caller's buffer stays theirs
         out_buf, out, lse = outputs
         given = [inputs] if isinstance(inputs, SharedBuffer) else list(inputs or ())
         try:
-            (q_home, k_home, v_home), tensors, staging = self._cache.place(
-                (batch.q, batch.k, batch.v), given
-            )
+            homes, tensors, staging = self._cache.place(inputs_of, given)
         except ServiceUnavailableError:
             if cache is not None:
                 cache.put(out_buf)
             raise
 
+        refs = [tensor_ref(home, t) for home, t in zip(homes, tensors, strict=True)]
+        latent = (
+            Latent(refs[1], refs[2], refs[3], kernel) if isinstance(batch, LatentBatch) else None
+        )
+        k, v = (None, None) if latent is not None else (refs[1], refs[2])
         job = PoolJob(kernel=kernel)
-        buffers = list({id(b): b for b in (q_home, k_home, v_home, out_buf)}.values())
+        buffers = list({id(b): b for b in (*homes, out_buf)}.values())
         common = TaskSpec(
             kernel=kernel,
             causal=batch.causal,
             scale=batch.scale,
-            q=tensor_ref(q_home, tensors[0]),
-            k=tensor_ref(k_home, tensors[1]),
-            v=tensor_ref(v_home, tensors[2]),
+            q=refs[0],
+            k=k,
+            v=v,
             out=tensor_ref(out_buf, out),
             lse=tensor_ref(out_buf, lse) if lse is not None else None,
+            latent=latent,
         )
         plan = schedule(
             batch.q_cu_seq_lens,

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 from ..errors import InvalidInputError, parts_of
 from ._messages import (
@@ -28,6 +28,7 @@ from ._messages import (
     Failed,
     Forget,
     Heartbeat,
+    Latent,
     Ready,
     RunTask,
     Stop,
@@ -276,6 +277,10 @@ def _run(spec: TaskSpec, mapped: _Mapped) -> None:
     from zen_mla.attention.driver import attend
     from zen_mla.attention.kernels import KERNELS
 
+    if spec.latent is not None:
+        _run_latent(spec, spec.latent, mapped)
+        return
+    assert spec.k is not None and spec.v is not None
     q, k, v, out = (mapped.tensor(r) for r in (spec.q, spec.k, spec.v, spec.out))
     lse = mapped.tensor(spec.lse) if spec.lse is not None else None
     kernel = KERNELS[spec.kernel]
@@ -292,3 +297,33 @@ def _run(spec: TaskSpec, mapped: _Mapped) -> None:
             out=out[qs, h],
             lse=lse[h, qs] if lse is not None else None,
         )
+
+
+def _run_latent(spec: TaskSpec, latent: Latent, mapped: _Mapped) -> None:
+    """The pieces over the latent cache: each piece's heads take their rows of `w_kv_b`."""
+    import torch
+
+    from zen_mla.attention.latent import Form, latent_attention
+
+    q, out = mapped.tensor(spec.q), mapped.tensor(spec.out)
+    kv_c, k_pe, w = (mapped.tensor(r) for r in (latent.kv_c, latent.k_pe, latent.w_kv_b))
+    lse = mapped.tensor(spec.lse) if spec.lse is not None else None
+    rows = w.shape[0] // q.shape[1]  # a head's Dn + Dv rows
+    for piece in spec.pieces:
+        h = slice(piece.h0, piece.h1)
+        qs, ks = slice(piece.q_lo, piece.q_hi), slice(piece.kv_lo, piece.kv_hi)
+        got, got_lse = latent_attention(
+            q[qs, h],
+            kv_c[ks],
+            k_pe[ks],
+            w[piece.h0 * rows : piece.h1 * rows],
+            torch.tensor(piece.q_cu),
+            torch.tensor(piece.kv_cu),
+            causal=spec.causal,
+            return_lse=True,
+            scale=spec.scale,
+            form=cast(Form, latent.form),  # one of FORMS: checked where the request was read
+        )
+        out[qs, h] = got
+        if lse is not None:
+            lse[h, qs] = got_lse

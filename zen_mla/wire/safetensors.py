@@ -194,6 +194,7 @@ class PrefillOptions:
     scale: float | None = None
     kernel: str = "auto"
     request_id: str | None = None
+    form: str = "auto"  # a request over the latent cache: "expand", "absorb" or "auto"
 
 
 def _flag(meta: Mapping[str, str], key: str, default: bool) -> bool:
