@@ -21,12 +21,14 @@ if TYPE_CHECKING:
         ragged_attention,
         zentorch_status,
     )
+    from .attention.latent import latent_attention
 
 __all__ = [
     "KernelChoice",
     "__version__",
     "host_kernels",
     "kernel_choice",
+    "latent_attention",
     "ragged_attention",
     "zentorch_status",  # deprecated: host_kernels()
 ]
@@ -41,6 +43,7 @@ _LAZY = {
     "KernelChoice": ".attention",
     "host_kernels": ".attention",
     "kernel_choice": ".attention",
+    "latent_attention": ".attention.latent",
     "ragged_attention": ".attention",
     "zentorch_status": ".attention",
 }
