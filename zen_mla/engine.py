@@ -290,23 +290,35 @@ class PrefillEngine:
         )
         return_lse = options.return_lse
         chosen = select_kernel(options.kernel, batch.q.dtype, return_lse=return_lse)
-        work = chosen.work(batch)
+        cost = self._cost(
+            batch,
+            chosen.work(batch),
+            f"H * Dqk * visible query-key pairs (kernel {chosen.name!r} counts its padding)",
+            workspace_bytes(batch, chosen, return_lse=return_lse, threads=self._threads),
+            return_lse,
+        )
+        return PrefillRequest(batch, KernelChoice.of(chosen, return_lse=return_lse), cost)
+
+    def _cost(
+        self,
+        batch: RaggedBatch | LatentBatch,
+        work: int,
+        counted: str,
+        workspace: int,
+        return_lse: bool,
+    ) -> Cost:
+        """The batch's `Cost`, its `work` (what `counted` says) within the work cap, or
+        WorkTooLargeError."""
         if self.config.max_work is not None and work > self.config.max_work:
             raise WorkTooLargeError(
                 "work",
-                f"H * Dqk * visible query-key pairs <= {self.config.max_work} (the service's "
-                f"cap; kernel {chosen.name!r} counts its padding)",
+                f"{counted} <= {self.config.max_work} (the service's cap)",
                 str(work),
                 "Split the batch into smaller requests",
             )
         tq, h, _ = batch.q.shape
-        result = tq * h * batch.v_head_dim * batch.v.element_size()
-        cost = Cost(
-            work,
-            workspace_bytes(batch, chosen, return_lse=return_lse, threads=self._threads),
-            result + (h * tq * 4 if return_lse else 0),
-        )
-        return PrefillRequest(batch, KernelChoice.of(chosen, return_lse=return_lse), cost)
+        result = tq * h * batch.v_head_dim * batch.q.element_size()
+        return Cost(work, workspace, result + (h * tq * 4 if return_lse else 0))
 
     def _prepare_latent(
         self, tensors: Mapping[str, torch.Tensor], options: PrefillOptions
@@ -334,21 +346,12 @@ class PrefillEngine:
             scale=options.scale,
         )
         check_num_seqs("q_cu_seq_lens", batch.num_seqs + 1, self.config.max_seqs)
-        work = latent_work(batch, options.form)
-        if self.config.max_work is not None and work > self.config.max_work:
-            raise WorkTooLargeError(
-                "work",
-                f"multiply-adds of the latent attention's products <= {self.config.max_work} "
-                "(the service's cap)",
-                str(work),
-                "Split the batch into smaller requests",
-            )
-        tq, h, _ = batch.q.shape
-        result = tq * h * batch.v_head_dim * batch.q.element_size()
-        cost = Cost(
-            work,
+        cost = self._cost(
+            batch,
+            latent_work(batch, options.form),
+            "multiply-adds of the latent attention's products",
             latent_workspace_bytes(batch, threads=self._threads),
-            result + (h * tq * 4 if options.return_lse else 0),
+            options.return_lse,
         )
         kernels = KernelChoice("latent", "latent" if options.return_lse else None)
         return PrefillRequest(batch, kernels, cost, options.form)
