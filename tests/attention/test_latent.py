@@ -1,7 +1,8 @@
 """latent_attention (zen_mla.attention.latent) against an fp64 reference that expands the whole
 context's keys and values from the latent and runs plain softmax attention on them: both forms
-and "auto", out and LSE, causal and not, in bf16 and fp32, one key block and many; the errors
-that name the tensor; and the expand form's peak memory, measured in a fresh process."""
+and "auto", out and LSE, causal and not, in bf16 and fp32, one key block and many, with fp32
+products and (bf16 inputs, on a CPU with bf16 arithmetic) bf16 ones; the errors that name the
+tensor; and the expand form's peak memory, measured in a fresh process."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ DTYPES = [
 OUT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 #: the LSE is fp32 whatever the inputs' dtype
 LSE_TOLERANCE = 1e-4
+#: bf16 products (precision "auto", bf16 inputs, `latent.bf16_unavailable()` None): k_nope (or
+#: the absorbed query) rounded to bf16 once, 2^-9 of each element, moves a score by up to
+#: 2^-9 scale sum_d |q_d k_d|, 2e-3 to 1e-2 at these tests' scales (4e-3 the largest seen), and
+#: the LSE, a weighted mean of the scores' moves, as much at most; out within the same bound as
+#: fp32 products (1.4e-2 the largest seen)
+BF16_LSE_TOLERANCE = 1e-2
+
+#: on this host, precision "auto" takes bf16 products for bf16 inputs
+BF16_PRODUCTS = latent.bf16_unavailable() is None
+needs_bf16_products = pytest.mark.skipif(
+    not BF16_PRODUCTS, reason=f"no bf16 products here: {latent.bf16_unavailable()}"
+)
+PRECISIONS = [pytest.param("fp32", id="fp32_products"), pytest.param("auto", id="auto_products")]
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -111,12 +125,24 @@ def _reference(
     return attention_fp64(q, k, v, q_cu.tolist(), kv_cu.tolist(), causal=causal, scale=scale)
 
 
+def _bf16_products(x: dict[str, object], precision: str) -> bool:
+    q = x["q"]
+    assert isinstance(q, torch.Tensor)
+    return precision == "auto" and q.dtype == torch.bfloat16 and BF16_PRODUCTS
+
+
 def _assert_close(
-    x: dict[str, object], out: torch.Tensor, lse: torch.Tensor, causal: bool, scale=None
+    x: dict[str, object],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale=None,
+    precision: str = "auto",
 ) -> None:
     ref_out, ref_lse = _reference(x, causal, scale)
     q = x["q"]
     assert isinstance(q, torch.Tensor)
+    lse_tolerance = BF16_LSE_TOLERANCE if _bf16_products(x, precision) else LSE_TOLERANCE
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     if out.numel():
@@ -127,35 +153,43 @@ def _assert_close(
     assert torch.equal(out.transpose(0, 1)[blind], torch.zeros_like(out.transpose(0, 1)[blind]))
     if (~blind).any():
         err = (lse.double() - ref_lse)[~blind].abs().max().item()
-        assert err <= LSE_TOLERANCE, f"lse: max error {err:.3g}"
+        assert err <= lse_tolerance, f"lse: max error {err:.3g}"
 
 
 @pytest.fixture(params=["one_block", "small_blocks"])
 def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The module's block sizes as they are, or small enough that every test sequence spans
-    several key blocks (4 keys) and query blocks (3 queries of SMALL's heads)."""
+    several key blocks (4 keys) and query blocks (3 queries of SMALL's heads), with fp32
+    products and with bf16 ones."""
     if request.param == "small_blocks":
         monkeypatch.setattr(latent, "KEY_BLOCK", 4)
         monkeypatch.setattr(latent, "SCORE_BUDGET_BYTES", 4 * SMALL.heads * 4 * 3)
+        # 4 keys of SMALL's k and v, bf16; 3 queries of its heads
+        per_key = SMALL.heads * (SMALL.nope + SMALL.rope + SMALL.v) * 2
+        monkeypatch.setattr(latent, "NATIVE_BLOCK_BYTES", 4 * per_key)
+        monkeypatch.setattr(latent, "ABSORB_ROWS", 3 * SMALL.heads)
     return str(request.param)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("form", ["expand", "absorb", "auto"])
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_matches_fp64_reference(spec, form, causal, dtype, blocks, monkeypatch):
+def test_matches_fp64_reference(spec, form, causal, dtype, precision, blocks, monkeypatch):
     # auto takes both forms here: sequences of 6 new tokens and more expand
     monkeypatch.setattr(latent, "CROSSOVER", 6)
+    monkeypatch.setattr(latent, "CROSSOVER_FP32", 6)
     x = _inputs(spec, SMALL, dtype)
-    out, lse = latent_attention(**x, causal=causal, return_lse=True, form=form)
-    _assert_close(x, out, lse, causal)
+    out, lse = latent_attention(**x, causal=causal, return_lse=True, form=form, precision=precision)
+    _assert_close(x, out, lse, causal, precision=precision)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("form", ["expand", "absorb"])
 @pytest.mark.parametrize("dims", DIMS.values(), ids=DIMS.keys())
-def test_head_dims_come_from_the_tensors(dims, form):
-    x = _inputs(SPECS["context_plus_new"], dims, torch.float32)
+def test_head_dims_come_from_the_tensors(dims, form, dtype):
+    x = _inputs(SPECS["context_plus_new"], dims, dtype)
     out, lse = latent_attention(**x, return_lse=True, form=form)
     assert out.shape[-1] == dims.v
     _assert_close(x, out, lse, causal=True)
@@ -169,7 +203,7 @@ def test_scale_is_applied_to_the_scores(form):
 
 
 @pytest.mark.parametrize("form", ["expand", "absorb"])
-def test_latent_and_rope_key_as_views_of_one_cache_row(form):
+def test_latent_and_rope_key_as_views_of_one_cache_row(form, blocks):
     """vLLM's MLA cache holds [kv_c, k_pe] in one row a token: both come as strided views."""
     x = _inputs(SPECS["ragged_with_empty"], SMALL, torch.bfloat16)
     kv_c, k_pe = x["kv_c"], x["k_pe"]
@@ -187,24 +221,65 @@ def test_out_alone_without_return_lse():
     assert torch.equal(out, latent_attention(**x, return_lse=True)[0])
 
 
-def test_auto_takes_each_sequence_by_its_new_tokens(monkeypatch):
-    """Absorb below the crossover, expand from it, both in one batch."""
+def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, str]) -> list[tuple[str, int]]:
+    """Which of the two form functions `names` each sequence went to, and its queries."""
     took: list[tuple[str, int]] = []
-    for name in ("_expand", "_absorb"):
+    for name in names:
         form = getattr(latent, name)
 
         def spy(q, *args, _form=form, _name=name):
-            took.append((_name.lstrip("_"), q.shape[0]))
+            took.append((_name, q.shape[0]))
             _form(q, *args)
 
         monkeypatch.setattr(latent, name, spy)
-    x = _inputs(
-        Spec([latent.CROSSOVER - 1, latent.CROSSOVER, 3], [200, 300, 0]), SMALL, torch.float32
-    )
-    out, lse = latent_attention(**x, return_lse=True)
+    return took
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        pytest.param(torch.float32, "auto", id="fp32"),
+        pytest.param(torch.bfloat16, "fp32", id="bf16_fp32_products"),
+        pytest.param(torch.bfloat16, "auto", id="bf16", marks=needs_bf16_products),
+    ],
+)
+def test_auto_takes_each_sequence_by_its_new_tokens(monkeypatch, dtype, precision):
+    """Absorb below the crossover of the products taken, expand from it, both in one batch."""
+    bf16 = dtype == torch.bfloat16 and precision == "auto"
+    names = ("_expand_bf16", "_absorb_bf16") if bf16 else ("_expand", "_absorb")
+    crossover = latent.CROSSOVER if bf16 else latent.CROSSOVER_FP32
+    took = _spy(monkeypatch, names)
+    x = _inputs(Spec([crossover - 1, crossover, 3], [200, 300, 0]), SMALL, dtype)
+    out, lse = latent_attention(**x, return_lse=True, precision=precision)
     # the third sequence has no keys: answered without either form
-    assert took == [("absorb", latent.CROSSOVER - 1), ("expand", latent.CROSSOVER)]
-    _assert_close(x, out, lse, causal=True)
+    assert took == [(names[1], crossover - 1), (names[0], crossover)]
+    _assert_close(x, out, lse, causal=True, precision=precision)
+
+
+def test_no_bf16_products_without_bf16_arithmetic(monkeypatch):
+    """Where the CPU lacks bf16 arithmetic (an EPYC Zen 2 / Zen 3: a bf16 matmul is a scalar
+    loop there) or the native kernel, bf16 inputs take fp32 products."""
+    monkeypatch.setattr(latent, "bf16_unavailable", lambda: "no bf16 arithmetic")
+    took = _spy(monkeypatch, ("_expand", "_absorb"))
+    for name in ("_expand_bf16", "_absorb_bf16", "_native"):
+        monkeypatch.setattr(latent, name, None)  # calling one raises
+    x = _inputs(Spec([3, 200], [30, 300]), SMALL, torch.bfloat16)
+    out, lse = latent_attention(**x, return_lse=True)
+    assert took == [("_absorb", 3), ("_expand", 200)]
+    _assert_close(x, out, lse, causal=True, precision="fp32")
+
+
+@needs_bf16_products
+def test_bf16_products_on_deepseek_heads_over_several_blocks(monkeypatch):
+    """DeepSeek's dims, a context of several key blocks of the module's own size and causal
+    diagonals of several absorbed row blocks, both forms against fp64."""
+    monkeypatch.setattr(latent, "NATIVE_BLOCK_BYTES", 1024 * 2 * 320 * 2)  # 1024 keys
+    monkeypatch.setattr(latent, "ABSORB_ROWS", 2 * 50)  # 50 queries a call
+    dims = Dims(heads=2, rank=512, rope=64, nope=128, v=128)
+    x = _inputs(Spec([130, 1], [3000, 700]), dims, torch.bfloat16)
+    for form in ("expand", "absorb"):
+        out, lse = latent_attention(**x, return_lse=True, form=form)
+        _assert_close(x, out, lse, causal=True)
 
 
 def _good() -> dict[str, object]:
@@ -236,6 +311,7 @@ BAD_INPUTS = {
     "scale_negative": ({"scale": -0.1}, "scale", "> 0"),
     "scale_string": ({"scale": "0.1"}, "scale", "float"),
     "form": ({"form": "fold"}, "form", '"absorb"'),
+    "precision": ({"precision": "bf16"}, "precision", '"fp32"'),
 }
 
 

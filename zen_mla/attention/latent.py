@@ -12,12 +12,26 @@ value dims (128), Dqk = Dn + P, and M new tokens of a sequence, per key and head
             queries against the latent key [kv_c, k_pe] every head shares, (R)-dim values:
             2 (R + P) M + 2 R M = 2,176 M FLOP
 
-Every product runs in fp32 on fp32 copies of the blocks (a bf16 `torch.matmul` is a scalar loop
-on CPUs without bf16 arithmetic: 0.3 GFLOP/s on an EPYC Zen 3).
+Products, `precision`:
+
+    bf16    "auto" on bf16 inputs where the CPU has bf16 arithmetic and zen-mla's native kernel
+            runs its AVX-512 BF16 path (`bf16_unavailable()` is None): expand makes each key
+            block's k and v with one bf16 matmul (fp32 sums, rounded to bf16 as vLLM's
+            expansion rounds them) and hands them with all the sequence's queries to the native
+            kernel, the blocks' results merged by their LSEs; absorb folds W_k into the queries
+            in bf16 and hands every head's folded queries, as the rows of one head, to the
+            native kernel against [kv_c, k_pe]. The rounding of k_nope (or of the folded query)
+            to bf16 moves the LSE by up to ~1e-3 at DeepSeek's dims (the baseline's own error),
+            not ~1e-6.
+    fp32    everything else, or `precision="fp32"`: every product in fp32 on fp32 copies of the
+            blocks, a flash loop in torch (a bf16 `torch.matmul` is a scalar loop on CPUs
+            without bf16 arithmetic: 0.3 GFLOP/s on an EPYC Zen 3).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -25,31 +39,52 @@ import torch
 
 from ..errors import InvalidInputError
 from .batch import check_offsets, check_scale, check_tensor
+from .host import cpu_facts
 
 __all__ = [
     "CROSSOVER",
+    "CROSSOVER_FP32",
     "FORMS",
     "KEY_BLOCK",
+    "NATIVE_BLOCK_BYTES",
+    "PRECISIONS",
     "SCORE_BUDGET_BYTES",
     "Form",
     "LatentBatch",
+    "Precision",
+    "bf16_unavailable",
     "latent_attention",
     "validate_latent",
 ]
 
 Form = Literal["expand", "absorb", "auto"]
 FORMS: tuple[Form, ...] = ("expand", "absorb", "auto")
+Precision = Literal["auto", "fp32"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "fp32")
 
-#: new tokens of a sequence from which "auto" expands rather than absorbs: where the cost model's
-#: two figures (module docstring) meet for DeepSeek's dims, 262,144 / (2,176 - 640) = 170.7; not
-#: yet calibrated against measured times
-CROSSOVER = 170
+#: new tokens of a sequence from which "auto" expands rather than absorbs, with bf16 products
+#: (`precision="auto"` on bf16 inputs where `bf16_unavailable()` is None): CALIBRATED below
+CROSSOVER = 128
 
-#: keys a block of the flash loop takes: the expand form makes k_nope and v for this many at once
+#: the same with fp32 products (fp32 or fp16 inputs, `precision="fp32"`, or a CPU without bf16
+#: arithmetic): where the cost model's two figures (module docstring) meet for DeepSeek's dims,
+#: 262,144 / (2,176 - 640) = 170.7
+CROSSOVER_FP32 = 170
+
+#: keys a block of the fp32 flash loop takes: the expand form makes k_nope and v for this many
+#: at once
 KEY_BLOCK = 256
 
 #: fp32 scores of one block (queries x heads x keys); the query blocks are sized to it
 SCORE_BUDGET_BYTES = 8 << 20
+
+#: bf16 products: the bytes of one key block's k and v (bf16, all heads) the expand form makes
+#: and hands the native kernel at once (which packs as many again); the block is a multiple of
+#: 256 keys
+NATIVE_BLOCK_BYTES = 16 << 20
+
+#: bf16 products: the absorbed query rows (queries x heads) of one native kernel call
+ABSORB_ROWS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +202,7 @@ def latent_attention(
     return_lse: Literal[False] = False,
     scale: float | None = None,
     form: Form = "auto",
+    precision: Precision = "auto",
 ) -> torch.Tensor: ...
 @overload
 def latent_attention(
@@ -181,6 +217,7 @@ def latent_attention(
     return_lse: Literal[True],
     scale: float | None = None,
     form: Form = "auto",
+    precision: Precision = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 def latent_attention(
     q: torch.Tensor,
@@ -194,6 +231,7 @@ def latent_attention(
     return_lse: bool = False,
     scale: float | None = None,
     form: Form = "auto",
+    precision: Precision = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA attention over a ragged ("varlen") batch of `B` sequences, keys and values made from
     the latent cache: what `ragged_attention` computes on the expanded keys
@@ -212,7 +250,11 @@ def latent_attention(
         return_lse: also return the softmax log-sum-exp.
         scale: score scale, default `Dqk ** -0.5`.
         form: "expand", "absorb", or "auto": per sequence, absorb where its new tokens Sq are
-            fewer than `CROSSOVER`, expand otherwise (a batch may use both).
+            fewer than `CROSSOVER` (bf16 products; `CROSSOVER_FP32` with fp32 ones), expand
+            otherwise (a batch may use both).
+        precision: "auto", bf16 products for bf16 inputs where `bf16_unavailable()` is None
+            (their LSE within ~1e-3 of fp64 rather than ~1e-6: the module's docstring), fp32
+            products otherwise; or "fp32", fp32 products always.
 
     Returns:
         out `[Tq, H, Dv]` in q's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).
@@ -221,29 +263,73 @@ def latent_attention(
     Raises:
         InvalidInputError (a ValueError) naming the tensor or argument at fault.
 
-    Memory beyond the inputs and results, all fp32: `w_kv_b`; one block of `KEY_BLOCK` keys
-    (expand: their k_nope and v, H (Dn + Dv) floats a key; absorb: [kv_c, k_pe]); one block of
-    scores (`SCORE_BUDGET_BYTES`); expand: q and the running softmax `[H, Sq, Dv]` of the whole
-    sequence (so each key block is made once); absorb: one query block's `[H, rows, R + P]`
-    queries and `[H, rows, R]` running output. About 26 MiB for a 16k context, 256 new tokens
-    and DeepSeek-V3's 16 heads, expanding.
+    Memory beyond the inputs and results, fp32 products (all fp32): `w_kv_b`; one block of
+    `KEY_BLOCK` keys (expand: their k_nope and v, H (Dn + Dv) floats a key; absorb: [kv_c, k_pe]);
+    one block of scores (`SCORE_BUDGET_BYTES`); expand: q and the running softmax `[H, Sq, Dv]`
+    of the whole sequence (so each key block is made once); absorb: one query block's
+    `[H, rows, R + P]` queries and `[H, rows, R]` running output. About 26 MiB for a 16k
+    context, 256 new tokens and DeepSeek-V3's 16 heads, expanding.
+
+    bf16 products: expand, one key block's k and v (`NATIVE_BLOCK_BYTES`, bf16) and the
+    kernel's packed copy, and where there are several blocks, a block's out (bf16) and the
+    running out `[Sq, H, Dv]` (fp32); absorb, [kv_c, k_pe] (a view where they are one cache
+    row, else a copy), the kernel's packed keys and values of the context, and per
+    `ABSORB_ROWS` rows their folded queries, out and causal diagonal's keys. Measured at a 16k
+    context and 16 heads (VmHWM, bench/latent.py): 23 / 40 / 89 MiB expanding 64 / 256 / 2048
+    new tokens, 65 / 87 / 137 MiB absorbing them.
     """
     if form not in FORMS:
         raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(form))
+    if precision not in PRECISIONS:
+        raise InvalidInputError("precision", '"auto" or "fp32"', repr(precision))
     batch = validate_latent(
         q, kv_c, k_pe, w_kv_b, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale
     )
-    out, lse = _attend(batch, form)
+    out, lse = _attend(batch, form, precision)
     return (out, lse) if return_lse else out
 
 
-def _attend(batch: LatentBatch, form: Form) -> tuple[torch.Tensor, torch.Tensor]:
+def bf16_unavailable() -> str | None:
+    """Why `precision="auto"` keeps every product fp32 here, or None where it takes bf16 products
+    on bf16 inputs: the CPU has bf16 arithmetic (AVX-512 BF16 or AMX; without it a bf16
+    `torch.matmul` is a scalar loop) and zen-mla's native kernel passed its start-up probe and
+    runs its AVX-512 BF16 path. Probed once per process."""
+    return _bf16_unavailable()
+
+
+@functools.cache
+def _bf16_unavailable() -> str | None:
+    cpu = cpu_facts()
+    if not (cpu.avx512_bf16 or cpu.amx_bf16):
+        return "this CPU has no bf16 arithmetic (AVX-512 BF16 or AMX): fp32 products"
+    # imported here: the probes run the kernels through the driver, which the engine imports
+    from .kernels.native import native_isa
+    from .probes import host_facts
+
+    failure = host_facts().native_failure
+    if failure is not None:
+        return failure
+    if native_isa() != "avx512":
+        return f"zen-mla's native kernel runs its {native_isa()} path here, not avx512"
+    return None
+
+
+def _attend(
+    batch: LatentBatch, form: Form, precision: Precision
+) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h = batch.q.shape[:2]
     out = torch.empty(tq, h, batch.v_head_dim, dtype=batch.q.dtype)
     # written whether asked for or not: the log of the softmax's running sum, H x Tq floats
     lse = torch.empty(h, tq, dtype=torch.float32)
     nope, dv, rank = batch.qk_nope_dim, batch.v_head_dim, batch.kv_lora_rank
-    w = batch.w_kv_b.to(torch.float32).reshape(h, nope + dv, rank)
+    bf16 = (
+        precision == "auto"
+        and batch.q.dtype == torch.bfloat16
+        and batch.q.shape[0] > 0
+        and bf16_unavailable() is None
+    )
+    crossover = CROSSOVER if bf16 else CROSSOVER_FP32
+    weights = _Weights(batch.w_kv_b.reshape(h, nope + dv, rank))
     qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
     for r in range(batch.num_seqs):
         sq, sk = qc[r + 1] - qc[r], kc[r + 1] - kc[r]
@@ -258,7 +344,13 @@ def _attend(batch: LatentBatch, form: Form) -> tuple[torch.Tensor, torch.Tensor]
         if blind == sq:
             continue
         keys = slice(kc[r], kc[r + 1])
-        attend = _absorb if form == "absorb" or (form == "auto" and sq < CROSSOVER) else _expand
+        absorb = form == "absorb" or (form == "auto" and sq < crossover)
+        if bf16:
+            attend = _absorb_bf16 if absorb else _expand_bf16
+            w = weights.bf16
+        else:
+            attend = _absorb if absorb else _expand
+            w = weights.fp32
         attend(
             batch.q[start : qc[r + 1]],
             batch.kv_c[keys],
@@ -270,6 +362,21 @@ def _attend(batch: LatentBatch, form: Form) -> tuple[torch.Tensor, torch.Tensor]
             lse[:, start : qc[r + 1]],
         )
     return out, lse
+
+
+class _Weights:
+    """`w_kv_b` as `[H, Dn + Dv, R]`, in fp32 (made once, where a sequence takes fp32 products)
+    or as it is (bf16)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.bf16 = w
+        self._fp32: torch.Tensor | None = None
+
+    @property
+    def fp32(self) -> torch.Tensor:
+        if self._fp32 is None:
+            self._fp32 = self.bf16.to(torch.float32)
+        return self._fp32
 
 
 def _query_rows(heads: int) -> int:
@@ -399,3 +506,188 @@ def _absorb(
         o_lat.div_(row_sum.unsqueeze(-1))
         out[a:b] = torch.bmm(o_lat.view(h, n_q, rank), w_v_t).transpose(0, 1)
         lse[:, a:b] = row_sum.log_().add_(row_max).view(h, n_q)
+
+
+def _native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_cu: list[int],
+    kv_cu: list[int],
+    scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """zen-mla's native kernel on its AVX-512 BF16 path (`bf16_unavailable()` is None): out
+    `[Tq, H, Dv]` bf16 and lse `[H, Tq]` written (any strides), bottom-right causal, queries
+    that see no key 0 and -inf."""
+    from .kernels.native import blocks
+
+    torch.ops.zen_mla.native_attend(
+        q,
+        k,
+        v,
+        torch.tensor(q_cu, dtype=torch.int64),
+        torch.tensor(kv_cu, dtype=torch.int64),
+        scale,
+        causal,
+        out,
+        lse,
+        *blocks(),
+        0,  # K and V packed for all heads at once: a block's, as many bytes as k and v
+        None,
+        "avx512",
+    )
+
+
+def _merge_into(acc: torch.Tensor, m: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
+    """`merge.merge_attn_states` in place and in fp32, a part at a time: `acc` `[S, H, D]` fp32
+    and its LSE `m` `[H, S]` (finite: every query saw a key of an earlier part) take the part
+    `o` `[S, H, D]`, `o_lse` `[H, S]` (-inf, and o 0, where a query saw none of its keys)."""
+    new = torch.logaddexp(m, o_lse)
+    mine = (m - new).exp_().t().unsqueeze(-1)
+    theirs = (o_lse - new).exp_().t().unsqueeze(-1)
+    acc.mul_(mine).addcmul_(o, theirs)
+    m.copy_(new)
+
+
+def _key_edges(sk: int, s: int, step: int, causal: bool) -> list[int]:
+    """Key blocks `[e[i], e[i + 1])` of about `step` keys, even, covering `[0, sk)`; causal, the
+    last holds every key past the first query's last (`off = sk - s`), which it alone attends
+    causally (bottom-right within the block is bottom-right within the sequence); the others
+    every query sees whole."""
+    n = -(-sk // step)
+    edges = [sk * i // n for i in range(n + 1)]
+    if causal and len(edges) > 2 and edges[-2] > sk - s + 1:
+        head = sk - s + 1  # keys 0..off, seen by every query
+        m = -(-head // step)
+        edges = [head * i // m for i in range(m + 1)] + [sk]
+    return edges
+
+
+def _native_block(heads: int, dqk: int, dv: int) -> int:
+    """Keys of one bf16 expand block: k and v in `NATIVE_BLOCK_BYTES`, a multiple of 256 keys
+    (the kernel's key blocks) where that is 256 or more, at least 1."""
+    keys = NATIVE_BLOCK_BYTES // (heads * (dqk + dv) * 2)
+    return keys // 256 * 256 if keys >= 256 else max(1, keys)
+
+
+def _expand_bf16(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w: torch.Tensor,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One sequence by the expand form in bf16 products: per key block, k = [k_nope, k_pe] and
+    v of every head made from the latent in one bf16 matmul (fp32 sums, rounded to bf16 as
+    vLLM's expansion rounds them), then the native kernel over all the sequence's queries and
+    that block, with its LSE; the blocks' results merged by their LSEs in fp32.
+
+    q `[S, H, Dqk]`, kv_c `[Sk, R]`, k_pe `[Sk, P]`, w `[H, Dn + Dv, R]` bf16, out
+    `[S, H, Dv]`, lse `[H, S]`; causal with `S <= Sk` (every query sees a key)."""
+    s, h, dqk = q.shape
+    sk, rank = kv_c.shape
+    nope = dqk - k_pe.shape[1]
+    dv = w.shape[1] - nope
+    w_t = w.reshape(h * (nope + dv), rank).t()
+    edges = _key_edges(sk, s, _native_block(h, dqk, dv), causal)
+    acc = m = part = part_lse = None
+    for k0, k1 in itertools.pairwise(edges):
+        n = k1 - k0
+        kv = torch.mm(kv_c[k0:k1], w_t).view(n, h, nope + dv)
+        k = torch.empty(n, h, dqk, dtype=q.dtype)
+        k[..., :nope] = kv[..., :nope]
+        k[..., nope:] = k_pe[k0:k1, None]
+        v = kv[..., nope:]
+        block_causal = causal and k1 - 1 > sk - s
+        if len(edges) == 2:  # one block: straight into the results
+            _native(q, k, v, [0, s], [0, n], scale, block_causal, out, lse)
+            return
+        if part is None or part_lse is None:
+            part = torch.empty(s, h, dv, dtype=q.dtype)
+            part_lse = torch.empty(h, s, dtype=torch.float32)
+        _native(q, k, v, [0, s], [0, n], scale, block_causal, part, part_lse)
+        del kv, k, v
+        if acc is None or m is None:
+            acc, m = part.to(torch.float32), part_lse.clone()
+        else:
+            _merge_into(acc, m, part, part_lse)
+    assert acc is not None and m is not None
+    out.copy_(acc)
+    lse.copy_(m)
+
+
+def _latent_key(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """`[Sk, R + P]`, `[kv_c, k_pe]` a row, unit last stride: a view where the two are one row
+    of vLLM's MLA cache already, else a copy."""
+    sk, rank = kv_c.shape
+    if (
+        kv_c.stride(1) == 1
+        and (k_pe.stride(1) == 1 or k_pe.shape[1] <= 1)
+        and (kv_c.stride(0) == k_pe.stride(0) or sk <= 1)
+        and k_pe.data_ptr() == kv_c.data_ptr() + rank * kv_c.element_size()
+        and k_pe.untyped_storage().data_ptr() == kv_c.untyped_storage().data_ptr()
+    ):
+        return kv_c.as_strided((sk, rank + k_pe.shape[1]), (kv_c.stride(0), 1))
+    return torch.cat([kv_c, k_pe], dim=1)
+
+
+def _absorb_bf16(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w: torch.Tensor,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One sequence by the absorb form in bf16 products: the queries of every head folded
+    (`[q_nope W_k, q_pe]`, one bf16 bmm, rounded to bf16) and taken as the rows of a one-head
+    problem against the latent key `[kv_c, k_pe]`, values `kv_c`, in the native kernel:
+    `ABSORB_ROWS` rows a call, the keys every row of the block sees at once, and causal, the
+    block's own diagonal as one sequence a head against its keys repeated; parts merged by
+    their LSEs in fp32, then unfolded through W_v (one bf16 bmm). Shapes as `_expand_bf16`'s."""
+    s, h, dqk = q.shape
+    sk, rank = kv_c.shape
+    rope = k_pe.shape[1]
+    nope = dqk - rope
+    width = rank + rope
+    key = _latent_key(kv_c, k_pe)
+    w_k, w_v_t = w[:, :nope], w[:, nope:].transpose(1, 2)  # [H, Dn, R], [H, R, Dv]
+    off = sk - s
+    rows = max(1, ABSORB_ROWS // h)
+    for a in range(0, s, rows):
+        b = min(s, a + rows)
+        n = b - a
+        q_lat = torch.empty(h, n, width, dtype=q.dtype)
+        q_lat[..., :rank] = torch.bmm(q[a:b, :, :nope].transpose(0, 1), w_k)
+        q_lat[..., rank:] = q[a:b, :, nope:].transpose(0, 1)
+        q_rows = q_lat.view(h * n, 1, width)
+        # keys [0, c): every query of the block sees them all
+        c = a + off + 1 if causal else sk
+        o = torch.empty(h * n, 1, rank, dtype=q.dtype)
+        o_lse = torch.empty(1, h * n, dtype=torch.float32)
+        _native(
+            q_rows, key[:c, None], key[:c, None, :rank], [0, h * n], [0, c], scale, False, o, o_lse
+        )
+        if causal and n > 1:
+            # keys [c, b + off), n - 1 of them: head j's rows a sequence against its own copy,
+            # bottom-right causal (row i sees the tail's first i keys)
+            t = n - 1
+            tail = key[c : b + off].unsqueeze(0).expand(h, t, width).reshape(h * t, 1, width)
+            o2 = torch.empty(h * n, 1, rank, dtype=q.dtype)
+            o2_lse = torch.empty(1, h * n, dtype=torch.float32)
+            cu_q, cu_k = [j * n for j in range(h + 1)], [j * t for j in range(h + 1)]
+            _native(q_rows, tail, tail[..., :rank], cu_q, cu_k, scale, True, o2, o2_lse)
+            del tail
+            acc = o.to(torch.float32)
+            _merge_into(acc, o_lse, o2, o2_lse)
+            o = acc.to(q.dtype)
+        out[a:b] = torch.bmm(o.view(h, n, rank), w_v_t).transpose(0, 1)
+        lse[:, a:b] = o_lse.view(h, n)
