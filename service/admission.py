@@ -64,7 +64,7 @@ DISPLACE_SLACK = 64 << 10
 #: deadline like any other, and the connection cap bounds how many there are)
 SMALL_BODY = 16 << 10
 #: what the bytes held for requests are: bodies read, kernels' memory, answers not yet sent
-HELD_KINDS = ("body", "kernel", "answer")
+HELD_KINDS = ("body", "kernel", "answer", "weight")
 
 
 class Shares:
@@ -284,10 +284,16 @@ class Ticket:
         """The bytes held for `kind` back to the budget."""
         self._admission.give(self.caller, kind, self.held.pop(kind, 0))
 
-    def keep(self, kind: str) -> Charge:
+    def keep(self, kind: str, as_kind: str | None = None) -> Charge:
         """The bytes held for `kind`, moved out of this ticket into a `Charge` of their own
-        (held past the ticket's close: an answer's until its last byte is sent)."""
-        return Charge(self._admission, self.caller, kind, self.held.pop(kind, 0))
+        (held past the ticket's close: an answer's until its last byte is sent), counted from
+        now on as `as_kind` where given (a body kept as a registered weight)."""
+        nbytes = self.held.pop(kind, 0)
+        if as_kind is not None and as_kind != kind:
+            self._admission.held_bytes[kind] -= nbytes
+            self._admission.held_bytes[as_kind] += nbytes
+            kind = as_kind
+        return Charge(self._admission, self.caller, kind, nbytes)
 
     def uploaded(self) -> None:
         """The body is in (or its read ended): its upload slot, if it held one, is free."""

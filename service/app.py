@@ -18,10 +18,11 @@ from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 
 from .kserve import routes as kserve
 from .problems import Problem, problem
-from .routes import health, prefill
+from .routes import health, prefill, weights
 from .routes.calls import socket_calls
 from .settings import Settings
 from .state import ServiceState
+from .weights import Weights
 
 __all__ = ["create_app"]
 
@@ -47,8 +48,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
             try:
                 yield
             finally:
-                if state.region_server is not None:
-                    state.region_server.close()
+                _close(state)
             return
 
         async def start() -> None:
@@ -73,8 +73,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
         finally:
             state.draining, state.ready = True, False
             await starting
-            if state.region_server is not None:
-                state.region_server.close()
+            _close(state)
             if state.engine is not None:
                 await asyncio.to_thread(state.engine.close, settings.drain_timeout_s)
 
@@ -83,6 +82,7 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
     kserve.add_routes(app, state)
     health.add_routes(app, state)
     prefill.add_routes(app, state)
+    weights.add_routes(app, state)
 
     @app.exception_handler(ZenMLAError)
     async def _zen_error(request: Request, exc: ZenMLAError) -> Response:
@@ -104,10 +104,19 @@ def create_app(settings: Settings | None = None, engine: PrefillEngine | None = 
     return app
 
 
+def _close(state: ServiceState) -> None:
+    """The region socket closed and the weights let go, before the engine closes."""
+    if state.region_server is not None:
+        state.region_server.close()
+    if state.weights is not None:
+        state.weights.close()
+
+
 def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
-    """Listen for same-host regions, and take system shared memory registrations, where the
-    settings offer them (on the event loop)."""
+    """Take weights, listen for same-host regions, and take system shared memory
+    registrations, where the settings offer them (on the event loop)."""
     s = state.settings
+    state.weights = Weights(engine, s.max_weights)
     if s.system_shm:
         state.system_shm = SystemShmRegistry(
             max_regions=s.system_shm_max_regions,

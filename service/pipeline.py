@@ -85,8 +85,12 @@ async def serve(state: ServiceState, door: Door, form: Form[A]) -> A:
         work = await form.decode(body, engine, record)
         del body  # a whole message (gRPC) is in the work's buffer now: not held twice meanwhile
         if work is None:
+            form.keep(held)
             answer = await form.answer(None, record)
         else:
+            staging = work.staging  # what the work made and borrowed, held from here on
+            held.keep([staging] if isinstance(staging, SharedBuffer) else list(staging or ()))
+            held.borrow(work.leases)
             caller = _caller_deadline(record, timeout, work.timeout)
             answer = await _run(state, door, form, work, record, held, caller)
         record.status = 200
@@ -178,8 +182,6 @@ async def _run(
     caller: Deadline | None,
 ) -> A:
     engine = _engine(state)
-    staging = work.staging
-    held.keep([staging] if isinstance(staging, SharedBuffer) else list(staging or ()))
     prepared = engine.prepare(work.tensors, work.options)
     places = form.places(prepared)
     reply = form.reply(prepared)

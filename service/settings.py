@@ -174,6 +174,12 @@ class Settings(BaseSettings):
     max_seqs: int = Field(
         8192, ge=1, description="sequences (B) in one request; 422 above, before any work"
     )
+    max_weights: int = Field(
+        128, ge=1, description="weights (kv_b_proj) registered at once, per caller"
+    )
+    max_weight_bytes: int = Field(
+        256 << 20, ge=1, description="one weight registration's body (safetensors); 413 above"
+    )
     linger_bytes: int = Field(
         256 << 20,
         ge=0,

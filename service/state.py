@@ -17,6 +17,7 @@ from .admission import Admission
 from .metrics import Metrics
 from .settings import Settings
 from .tenants import Tenants
+from .weights import Weights
 
 __all__ = ["Readiness", "ServiceState", "readiness"]
 
@@ -37,6 +38,8 @@ class ServiceState:
     region_server: RegionServer | None = None
     # the Open Inference Protocol's system shared memory (None while off or not started)
     system_shm: SystemShmRegistry | None = None
+    # weights registered by callers (`weights`; None until the engine is up); the event loop's
+    weights: Weights | None = None
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     metrics: Metrics = field(default_factory=Metrics)
     admission: Admission = field(init=False)

@@ -263,6 +263,7 @@ def test_the_pipeline_is_called_by_the_routes_and_calls_nothing_back():
     importers = {name for name in MODULES for target, _ in imported(name) if target == PIPELINE}
     assert importers <= {
         "service.routes.prefill",
+        "service.routes.weights",
         "service.routes.calls",
         "service.kserve.routes",
         "service.kserve.grpc_server",

@@ -7,7 +7,8 @@ reader, validation, the queue, the deadline, the hang-up rule, release, metrics 
 line are the pipeline's: adding a form touches the form alone. (httpx's transports are the model: a
 transport implements `handle_request`; the client owns the rest.)
 
-    safetensors /prefill    forms/safetensors.py
+    safetensors /prefill    forms/safetensors.py (also over MLA's latent cache)
+    weight registration     forms/weight.py (keeps its body, computes nothing)
     regions JSON /prefill   forms/regions.py
     region-socket call      forms/call.py
     /v2 infer               kserve/infer.py
@@ -18,7 +19,7 @@ transport implements `handle_request`; the client owns the rest.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -39,6 +40,7 @@ from zen_mla.wire import PrefillOptions
 
 from ..admission import Charge
 from ..doors import Door
+from ..held import Held
 from ..settings import Settings
 
 __all__ = ["Computed", "Expect", "Form", "RequestRecord", "Work"]
@@ -67,7 +69,8 @@ class RequestRecord:
 @dataclass(frozen=True, slots=True)
 class Work:
     """A request read: its tensors by the contract's names (q, k, v, q_cu_seq_lens[,
-    kv_cu_seq_lens]), its options, and the buffers q, k and v lie in (read there in place)."""
+    kv_cu_seq_lens]; or q, kv_c, k_pe, w_kv_b, ... over the latent cache), its options, and the
+    buffers its tensors lie in (read there in place)."""
 
     tensors: Mapping[str, torch.Tensor]
     options: PrefillOptions
@@ -75,6 +78,8 @@ class Work:
     # buffers made for the inputs: given back with the body
     staging: SharedBuffer | Sequence[SharedBuffer] | None = None
     timeout: float | None = None  # the caller's seconds, where its request carries them
+    # what the work borrowed (a registered weight): each call gives one back, with the body
+    leases: Sequence[Callable[[], None]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,10 @@ class Form(Generic[A]):
         """Where the outputs go (checked against the validated request); None: a buffer of the
         engine's, answered from there."""
         return None
+
+    def keep(self, held: Held) -> None:
+        """For a form that computes nothing: take what it keeps past the request (a registered
+        weight: the body's buffer and its charge, `Held.hand_out`) once its body is decoded."""
 
     def reply(self, prepared: PrefillRequest) -> Reply | None:
         """A reply its worker writes to the caller itself once the work is done, if any."""

@@ -1,14 +1,21 @@
 """A safetensors `/prefill` body (`SafetensorsForm`): read straight into the pool's shared
 memory by the one body reader, decoded as views, read there in place by the workers, and
 answered with a safetensors file streamed from the shared memory the workers wrote. Errors
-leave as problem+json (`problems`)."""
+leave as problem+json (`problems`).
+
+A body with `kv_c` and `k_pe` in place of `k` and `v` is a request over MLA's latent cache: its
+`__metadata__.weight` names one of its caller's registered weights (`service.weights`), leased
+for the work and read in place from its own buffer."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from fastapi import Response
 
-from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
+from zen_mla import InvalidInputError, UnsupportedMediaTypeError, ZenMLAError, wire
+from zen_mla.caller import Caller
 from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.wire import regions_json
 
@@ -16,7 +23,11 @@ from ..answer import answer_metadata, server_timing, stream
 from ..doors import Door
 from ..problems import problem
 from ..settings import Settings
+from ..state import ServiceState
 from .base import Computed, Expect, Form, RequestRecord, Work
+from .weight import weights_of
+
+_TENSORS = wire.REQUEST_TENSORS | wire.LATENT_TENSORS
 
 __all__ = ["SafetensorsForm", "send"]
 
@@ -27,9 +38,11 @@ class SafetensorsForm(Form[Response]):
 
     route = "prefill"
 
-    def __init__(self, media: str, regions_offered: bool) -> None:
+    def __init__(self, state: ServiceState, media: str) -> None:
+        self.state = state
         self.media = media
-        self.regions_offered = regions_offered
+        self.regions_offered = state.regions is not None
+        self.caller: Caller | None = None
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         if self.media != "application/octet-stream":
@@ -39,6 +52,7 @@ class SafetensorsForm(Form[Response]):
             raise UnsupportedMediaTypeError(
                 f"Content-Type: expected {offered}, got {self.media or 'none'}"
             )
+        self.caller = door.caller
         return Expect(settings.max_body_bytes)
 
     async def decode(
@@ -46,9 +60,31 @@ class SafetensorsForm(Form[Response]):
     ) -> Work:
         assert isinstance(body, SharedBuffer)
         n = record.bytes_in
-        tensors, meta = wire.decode(body.tensor(0, (n,), torch.uint8), wire.REQUEST_TENSORS)
+        tensors, meta = wire.decode(body.tensor(0, (n,), torch.uint8), _TENSORS)
         record.request_id = meta.get("request_id")
-        return Work(tensors, wire.parse_options(meta), inputs=body)
+        options = wire.parse_options(meta, latent=True)
+        if "kv_c" not in tensors:
+            if options.weight is not None:
+                raise InvalidInputError(
+                    "__metadata__.weight",
+                    "none without kv_c (a request over the latent cache)",
+                    repr(options.weight),
+                )
+            return Work(tensors, options, inputs=body)
+        if options.weight is None:
+            raise InvalidInputError(
+                "__metadata__.weight",
+                "the name of a registered w_kv_b beside kv_c (PUT /weights/{name})",
+                "none",
+            )
+        weights = weights_of(self.state)
+        weight = weights.lease(self.caller, options.weight, "__metadata__.weight")
+        return Work(
+            tensors | {"w_kv_b": weight.tensor},
+            options,
+            inputs=[body, weight.buffer],
+            leases=(functools.partial(weights.give_back, weight),),
+        )
 
     async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None

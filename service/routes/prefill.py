@@ -36,7 +36,9 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
             "requestBody": {
                 "required": True,
                 "description": "safetensors: q, k, v, q_cu_seq_lens[, kv_cu_seq_lens] and "
-                "__metadata__ causal, return_lse, scale, kernel, request_id",
+                "__metadata__ causal, return_lse, scale, kernel, request_id; or q, kv_c, k_pe, "
+                "... over MLA's latent cache with __metadata__ weight (a registered w_kv_b) and "
+                "form",
                 "content": {
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
                 },
@@ -50,5 +52,5 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         if media == regions_json.MEDIA_TYPE and state.regions is not None:
             form = RegionsForm(state.regions)
         else:
-            form = SafetensorsForm(media, state.regions is not None)
+            form = SafetensorsForm(state, media)
         return await serve(state, HttpDoor(request), form)

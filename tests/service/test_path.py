@@ -83,7 +83,7 @@ def _traced(state: ServiceState, body: bytes) -> tuple[Any, list[tuple[list[str]
         ]
         scope = {"type": "http", "method": "POST", "path": "/prefill", "query_string": b""}
         request = Request(scope | {"headers": headers, "client": ("127.0.0.1", 5000)}, receive)
-        form = SafetensorsForm("application/octet-stream", False)
+        form = SafetensorsForm(state, "application/octet-stream")
         sys.setprofile(profile)
         try:
             return await serve(state, HttpDoor(request), form)

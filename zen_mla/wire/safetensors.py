@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,14 +26,18 @@ from ..errors import InvalidInputError, WireFormatError
 from .dtypes import BY_SAFETENSORS, BY_TORCH
 
 __all__ = [
+    "LATENT_METADATA",
+    "LATENT_TENSORS",
     "MAX_DIM",
     "MAX_HEADER_BYTES",
     "MAX_METADATA_VALUE",
     "MAX_REQUEST_ID",
     "REQUEST_TENSORS",
     "RESPONSE_TENSORS",
+    "WEIGHT_NAME",
     "PrefillOptions",
     "check_request_id",
+    "check_weight_name",
     "decode",
     "encode",
     "header_length",
@@ -46,6 +51,8 @@ __all__ = [
 MAX_HEADER_BYTES = 64 << 10
 MAX_METADATA_VALUE = 256
 REQUEST_TENSORS = frozenset({"q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"})
+#: a safetensors request over MLA's latent cache carries these in place of k and v
+LATENT_TENSORS = frozenset({"kv_c", "k_pe"})
 RESPONSE_TENSORS = frozenset({"out", "lse"})
 MAX_DIM = 1 << 48  # a dimension's cap, whatever the wire: well past memory, far below 2^63
 
@@ -62,6 +69,10 @@ def viewable(shape: Sequence[int]) -> bool:
 
 MAX_REQUEST_ID = 128  # characters of a request id (echoed and logged)
 REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
+#: and these options: how it is attended, and the registered weight it names
+LATENT_METADATA = frozenset({"form", "weight"})
+#: a registered weight's name (`PUT /weights/{name}`; a latent request's `weight`)
+WEIGHT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def header_length(prefix: bytes | memoryview, body_bytes: int) -> int:
@@ -194,7 +205,9 @@ class PrefillOptions:
     scale: float | None = None
     kernel: str = "auto"
     request_id: str | None = None
-    form: str = "auto"  # a request over the latent cache: "expand", "absorb" or "auto"
+    # a request over the latent cache: how it is attended, and the registered w_kv_b it names
+    form: str = "auto"
+    weight: str | None = None
 
 
 def _flag(meta: Mapping[str, str], key: str, default: bool) -> bool:
@@ -218,12 +231,22 @@ def check_request_id(name: str, request_id: str | None) -> None:
         )
 
 
-def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
-    """The request's `__metadata__` as options; unknown keys are errors (typos fail loudly)."""
-    extra = set(meta) - REQUEST_METADATA
+def check_weight_name(where: str, name: object) -> str:
+    """`name` where it is a weight's name (`WEIGHT_NAME`); InvalidInputError naming `where`."""
+    if not isinstance(name, str) or WEIGHT_NAME.fullmatch(name) is None:
+        given = repr(name)[:80] if isinstance(name, str) else type(name).__name__
+        raise InvalidInputError(where, "1-128 characters of A-Z a-z 0-9 . _ -", given)
+    return name
+
+
+def parse_options(meta: Mapping[str, str], *, latent: bool = False) -> PrefillOptions:
+    """The request's `__metadata__` as options; unknown keys are errors (typos fail loudly).
+    `latent`: a form that takes requests over the latent cache (`LATENT_METADATA` too)."""
+    known = REQUEST_METADATA | (LATENT_METADATA if latent else frozenset())
+    extra = set(meta) - known
     if extra:
         raise InvalidInputError(
-            "__metadata__", f"keys among {', '.join(sorted(REQUEST_METADATA))}", f"{sorted(extra)}"
+            "__metadata__", f"keys among {', '.join(sorted(known))}", f"{sorted(extra)}"
         )
     scale = None
     if "scale" in meta:
@@ -235,12 +258,17 @@ def parse_options(meta: Mapping[str, str]) -> PrefillOptions:
             ) from None
     request_id = meta.get("request_id")
     check_request_id("__metadata__.request_id", request_id)
+    weight = meta.get("weight")
+    if weight is not None:
+        check_weight_name("__metadata__.weight", weight)
     return PrefillOptions(
         causal=_flag(meta, "causal", True),
         return_lse=_flag(meta, "return_lse", False),
         scale=scale,
         kernel=meta.get("kernel", "auto"),
         request_id=request_id,
+        form=meta.get("form", "auto"),
+        weight=weight,
     )
 
 
@@ -251,12 +279,18 @@ def options_metadata(
     scale: float | None,
     kernel: str = "auto",
     request_id: str | None = None,
+    form: str | None = None,
+    weight: str | None = None,
 ) -> dict[str, str]:
     meta = {"causal": str(causal).lower(), "return_lse": str(return_lse).lower(), "kernel": kernel}
     if scale is not None:
         meta["scale"] = repr(float(scale))
     if request_id is not None:
         meta["request_id"] = request_id
+    if form is not None:
+        meta["form"] = form
+    if weight is not None:
+        meta["weight"] = weight
     return meta
 
 

@@ -1,0 +1,221 @@
+"""Weights registered once (`PUT /weights/{name}`) and named by `/prefill` calls over MLA's latent
+cache, on a real `zen-mla serve` with tenants: each answer equal to in-process
+`latent_attention`; a weight charged to its tenant while registered and given back when
+forgotten or replaced; another tenant's names answer as never registered; bad registrations and
+bad latent calls refused naming what is wrong, the service healthy after; a weight forgotten
+while calls use it stays until they end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.service.servers import busy_worker, serve, server_fixture
+from zen_mla import wire
+from zen_mla.attention.latent import latent_attention
+
+H, RANK, ROPE, NOPE, DV = 4, 64, 16, 32, 32
+A = {"Authorization": "Bearer token-a"}
+B = {"Authorization": "Bearer token-b"}
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+def _body(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> bytes:
+    header, chunks = wire.encode(tensors, meta)
+    return header + b"".join(bytes(c) for c in chunks)
+
+
+def _weight(seed: int = 0, rank: int = RANK) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(H * (NOPE + DV), rank, generator=gen) / rank**0.5).bfloat16()
+
+
+def _latent(q_lens: list[int], kv_lens: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(q_lens), sum(kv_lens)
+    return {
+        "q": torch.randn(tq, H, NOPE + ROPE, generator=gen).bfloat16(),
+        "kv_c": torch.randn(tk, RANK, generator=gen).bfloat16(),
+        "k_pe": torch.randn(tk, ROPE, generator=gen).bfloat16(),
+        "q_cu_seq_lens": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]).int(),
+        "kv_cu_seq_lens": torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()]).int(),
+    }
+
+
+def _register(c: httpx.Client, name: str, w: torch.Tensor, auth: dict) -> httpx.Response:
+    return c.put(f"/weights/{name}", content=_body({"w_kv_b": w}), headers=auth | OCTETS)
+
+
+def _call(c: httpx.Client, x: dict, weight: str, auth: dict, **meta: str) -> httpx.Response:
+    meta = {"weight": weight, "return_lse": "true"} | meta
+    return c.post("/prefill", content=_body(x, meta), headers=auth | OCTETS)
+
+
+def _decoded(answer: httpx.Response, names: set[str]) -> tuple[dict, dict]:
+    raw = torch.frombuffer(bytearray(answer.content), dtype=torch.uint8)
+    return wire.decode(raw, frozenset(names))
+
+
+def _held(c: httpx.Client) -> int:
+    return int(c.get("/health").json()["held_bytes"]["weight"])
+
+
+@server_fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    tmp: Path = tmp_path_factory.mktemp("weights")
+    tenants = tmp / "tenants"
+    tenants.write_text("team-a token-a\nteam-b token-b\n")
+    with serve(tmp, workers=2, tenants_file=str(tenants), max_weights=3) as s:
+        yield s
+
+
+@pytest.mark.parametrize("form", ["expand", "absorb", "auto"])
+def test_a_latent_call_names_a_registered_weight(server, form):
+    w, x = _weight(), _latent([5, 40, 0], [60, 40, 7])
+    with server.client() as c:
+        entry = _register(c, "layer0", w, A)
+        assert entry.status_code == 200, entry.text
+        assert entry.json() == {
+            "name": "layer0",
+            "shape": [H * (NOPE + DV), RANK],
+            "dtype": "bfloat16",
+            "bytes": w.nbytes,
+        }
+        answer = _call(c, x, "layer0", A, form=form)
+        assert answer.status_code == 200, answer.text
+        got, meta = _decoded(answer, {"out", "lse"})
+        assert meta["kernel"] == meta["lse_kernel"] == "latent"
+        want, want_lse = latent_attention(
+            x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
+            return_lse=True, form=form,
+        )  # fmt: skip
+        assert (got["out"].float() - want.float()).abs().max().item() <= 2**-6
+        assert (got["lse"] - want_lse).abs().max().item() <= 1e-4
+
+
+def test_a_weight_is_charged_until_forgotten_and_its_tenants_alone(server):
+    w = _weight(seed=2)
+    with server.client() as c:
+        before = _held(c)
+        assert _register(c, "mine", w, A).status_code == 200
+        assert _held(c) == before + w.nbytes + 8 + _header_bytes(w)
+        names = [e["name"] for e in c.get("/weights", headers=A).json()]
+        assert "mine" in names
+        assert "mine" not in [e["name"] for e in c.get("/weights", headers=B).json()]
+        # another tenant's name answers as never registered: for a call and a forget
+        refused = _call(c, _latent([3], [9]), "mine", B)
+        assert refused.status_code == 404 and "__metadata__.weight" in refused.text
+        assert c.delete("/weights/mine", headers=B).status_code == 404
+        assert _call(c, _latent([3], [9]), "mine", A).status_code == 200
+        # registered again under its name: the old one let go, the new one charged
+        assert _register(c, "mine", w, A).status_code == 200
+        assert _held(c) == before + w.nbytes + 8 + _header_bytes(w)
+        assert c.delete("/weights/mine", headers=A).status_code == 204
+        assert _held(c) == before
+        assert c.delete("/weights/mine", headers=A).status_code == 404
+
+
+def _header_bytes(w: torch.Tensor) -> int:
+    header, _ = wire.encode({"w_kv_b": w})
+    return len(header) - 8
+
+
+@pytest.mark.parametrize(
+    ("send", "status", "says"),
+    [
+        (lambda c: _register(c, "bad name!", _weight(), A), 422, "A-Z a-z 0-9"),
+        (lambda c: _register(c, "w", _weight()[0], A), 422, "w_kv_b"),
+        (lambda c: _register(c, "w", _weight().to(torch.int32), A), 422, "w_kv_b"),
+        (
+            lambda c: c.put("/weights/w", content=_body({"q": _weight()}), headers=A | OCTETS),
+            422,
+            "q",
+        ),
+        (lambda c: c.put("/weights/w", content=b"{}", headers=A | OCTETS), 400, ""),
+        (lambda c: _register(c, "w", _weight(), {}), 401, ""),
+        (lambda c: _call(c, _latent([3], [9]), "nowhere", A), 404, "nowhere"),
+        (
+            lambda c: c.post("/prefill", content=_body(_latent([3], [9]), {}), headers=A | OCTETS),
+            422,
+            "__metadata__.weight",
+        ),
+    ],
+    ids=[
+        "bad_name",
+        "one_dim",
+        "int_weight",
+        "another_tensor",
+        "not_safetensors",
+        "no_token",
+        "unknown_weight",
+        "latent_without_weight",
+    ],
+)
+def test_a_bad_registration_or_call_is_refused_and_the_service_stays_well(
+    server, send, status, says
+):
+    with server.client() as c:
+        answer = send(c)
+        assert answer.status_code == status, answer.text
+        assert says in answer.text
+        assert c.get("/health").json()["status"] == "ok"
+        assert "w" not in [e["name"] for e in c.get("/weights", headers=A).json()]
+
+
+def test_a_weight_of_another_shape_than_the_call_is_refused_naming_it(server):
+    with server.client() as c:
+        assert _register(c, "wide", _weight(rank=RANK + 8), A).status_code == 200
+        try:
+            answer = _call(c, _latent([3], [9]), "wide", A)
+            assert answer.status_code == 422 and "w_kv_b" in answer.text
+            assert "the rank of kv_c" in answer.text
+        finally:
+            c.delete("/weights/wide", headers=A)
+
+
+def test_at_most_max_weights_a_tenant_and_room_again_once_forgotten(server):
+    with server.client() as c:
+        before = _held(c)
+        for name in ("w1", "w2", "w3"):
+            assert _register(c, name, _weight(), B).status_code == 200
+        over = _register(c, "w4", _weight(), B)
+        assert over.status_code == 422 and "at most 3 weights" in over.text
+        assert _register(c, "w1", _weight(seed=5), B).status_code == 200  # replaced: no more
+        assert _register(c, "w4", _weight(), A).status_code == 200  # another tenant's room
+        for name in ("w1", "w2", "w3"):
+            assert c.delete(f"/weights/{name}", headers=B).status_code == 204
+        assert c.delete("/weights/w4", headers=A).status_code == 204
+        assert _held(c) == before
+
+
+def test_a_weight_forgotten_while_calls_use_it_stays_until_they_end(server):
+    """Calls keep coming while the weight is forgotten: each is answered right (it was leased
+    before the forget) or 404 (after); the weight's charge goes back once the last ends."""
+    w, x = _weight(seed=3), _latent([256], [8192])
+    want = latent_attention(
+        x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"]
+    )
+    with server.client() as c:
+        before = _held(c)
+        assert _register(c, "busy", w, A).status_code == 200
+
+        def call() -> int:
+            with server.client() as own:
+                answer = _call(own, x, "busy", A, return_lse="false")
+                if answer.status_code == 200:
+                    got, _ = _decoded(answer, {"out"})
+                    assert (got["out"].float() - want.float()).abs().max().item() <= 2**-6
+                return answer.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(call) for _ in range(8)]
+            busy_worker(server)  # a call holds its lease: forgotten under it
+            assert c.delete("/weights/busy", headers=A).status_code == 204
+            codes = [f.result() for f in calls]
+        assert set(codes) <= {200, 404} and codes.count(200) >= 1
+        assert _held(c) == before
+        assert c.get("/health").json()["status"] == "ok"
