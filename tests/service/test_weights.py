@@ -7,6 +7,7 @@ while calls use it stays until they end."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import httpx
 import pytest
 import torch
 
+import zen_mla
 from tests.service.servers import busy_worker, serve, server_fixture
 from zen_mla import wire
 from zen_mla.attention.latent import latent_attention
+from zen_mla.client import AsyncPrefillClient, PrefillClient
 
 H, RANK, ROPE, NOPE, DV = 4, 64, 16, 32, 32
 A = {"Authorization": "Bearer token-a"}
@@ -219,3 +222,41 @@ def test_a_weight_forgotten_while_calls_use_it_stays_until_they_end(server):
         assert set(codes) <= {200, 404} and codes.count(200) >= 1
         assert _held(c) == before
         assert c.get("/health").json()["status"] == "ok"
+
+
+def test_the_clients_register_once_call_and_register_again_where_the_service_forgot(server):
+    """`register_weight` sends nothing; the first call registers it, later ones do not; a
+    weight the service no longer holds (forgotten behind the client's back, as a restart
+    would) is registered again and the call answered; `forget_weight` forgets it there."""
+    w, x = _weight(seed=4), _latent([7, 30], [90, 30])
+    want, want_lse = latent_attention(
+        x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
+        return_lse=True,
+    )  # fmt: skip
+    args = (x["q"], x["kv_c"], x["k_pe"], "client-w", x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
+    with server.client() as c, PrefillClient(server.url, token="token-a") as client:
+        client.register_weight("client-w", w)
+        assert "client-w" not in [e["name"] for e in c.get("/weights", headers=A).json()]
+        for _ in range(2):
+            out, lse = client.prefill_latent(*args, return_lse=True)
+            assert (out.float() - want.float()).abs().max().item() <= 2**-6
+            assert (lse - want_lse).abs().max().item() <= 1e-4
+        assert c.delete("/weights/client-w", headers=A).status_code == 204
+        out = client.prefill_latent(*args, form="absorb")
+        assert (out.float() - want.float()).abs().max().item() <= 2**-6
+        assert "client-w" in [e["name"] for e in c.get("/weights", headers=A).json()]
+        client.forget_weight("client-w")
+        assert "client-w" not in [e["name"] for e in c.get("/weights", headers=A).json()]
+        with pytest.raises(zen_mla.InvalidInputError, match="weight"):
+            client.prefill_latent(*args)
+
+    async def over_asyncio() -> None:
+        async with AsyncPrefillClient(server.url, token="token-b") as aclient:
+            aclient.register_weight("client-w", w)
+            got = await aclient.prefill_latent(*args, form="expand")
+            assert (got.float() - want.float()).abs().max().item() <= 2**-6
+            await aclient.forget_weight("client-w")
+
+    asyncio.run(over_asyncio())
+    with server.client() as c:
+        assert "client-w" not in [e["name"] for e in c.get("/weights", headers=B).json()]

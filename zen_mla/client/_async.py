@@ -26,6 +26,7 @@ from ._base import (
 )
 from ._deadline import Deadline
 from ._endpoints import Endpoint
+from ._latent import registered
 from ._names import FIRST_WAIT
 from ._resend import Resend
 from ._retry import Translated
@@ -201,9 +202,67 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
                     return await self._attempt(ep, pending)
                 await asyncio.sleep(pending.wait)
 
+    def register_weight(self, name: str, w_kv_b: torch.Tensor) -> None:
+        """As `PrefillClient.register_weight` (nothing is sent until a call needs it)."""
+        self._weights.add(name, w_kv_b)
+
+    async def forget_weight(self, name: str) -> None:
+        """As `PrefillClient.forget_weight`."""
+        deadline = self._deadline()
+        async with _async_call(deadline):
+            for ep in self._weights.drop(name):
+                await self._send(ep, self._weight_delete(name), deadline)
+
+    async def prefill_latent(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        weight: str,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        form: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillOutput:
+        """As `PrefillClient.prefill_latent`."""
+        pending = self._latent_request(
+            q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
+            causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
+        )  # fmt: skip
+        async with _async_call(pending.deadline):
+            await self._refresh(pending.deadline)
+            while True:
+                with pending.attempt() as ep:
+                    return await self._attempt(ep, pending)
+                await asyncio.sleep(pending.wait)
+
+    async def _latent_attempt(
+        self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest
+    ) -> PrefillOutput:
+        """As `PrefillClient._latent_attempt`."""
+        name, weights = pending.weight, self._weights
+        assert name is not None
+        for again in (False, True):
+            if not weights.held(ep, name):
+                put = self._weight_put(name)
+                status, headers, body = await self._send(ep, put, pending.deadline)
+                registered(status, body, headers)
+                weights.mark(ep, name, True)
+            status, headers, body = await self._send(ep, pending.post(), pending.deadline)
+            if status != 404 or again:
+                break
+            weights.mark(ep, name, False)
+        return pending.decoded(status, body, headers)
+
     async def _attempt(
         self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest
     ) -> PrefillOutput:
+        if pending.weight is not None:
+            return await self._latent_attempt(ep, pending)
         regions = await self._regions_for(ep, pending.deadline, for_call=True)
         if regions is not None:
             try:

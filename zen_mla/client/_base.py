@@ -30,6 +30,7 @@ from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decode
 from ._deadline import CONNECT_SHARE, Deadline, call_budget
 from ._endpoints import Balancer, Endpoint, weigh, where
 from ._inputs import checked_tensors
+from ._latent import MAX_REGISTER_ANSWER, Weights, check_latent
 from ._memory import AnswerMemory
 from ._names import Lookups
 from ._offers import Offer, offered
@@ -104,8 +105,10 @@ class ClientRequest:
         outputs: AnswerSpec,
         work: int,
         client: BaseClient[Any],
+        weight: str | None = None,
     ) -> None:
         self.tensors, self.options, self.outputs = tensors, options, outputs
+        self.weight = weight  # a call over the latent cache: the registered weight it names
         self.device = tensors["q"].device
         self.deadline = Deadline(client._budget)
         self.wait = 0.0  # seconds before the next attempt, once one failed
@@ -252,6 +255,7 @@ class BaseClient(Generic[H]):
         self._taking = threading.Lock()  # one call at a time applies a lookup
         self._balancer: Balancer[H] = Balancer([self._endpoint(u, None) for u in self._urls])
         self._answer_memory = AnswerMemory(KEEP_ANSWER_BYTES)
+        self._weights = Weights()
 
     def _connect(self, url: httpx.URL, headers: dict[str, str]) -> H:
         """The twin's HTTP client for an endpoint at `url`, sending `headers` with each request."""
@@ -342,6 +346,41 @@ class BaseClient(Generic[H]):
         outputs = AnswerSpec.of(tensors, return_lse, out)
         weight = weigh(q, q_cu_seq_lens, kv_cu_seq_lens, causal)
         return ClientRequest(tensors, options, outputs, weight, self)
+
+    def _latent_request(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        weight: str,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None,
+        *,
+        causal: bool,
+        return_lse: bool,
+        scale: float | None,
+        form: str,
+        request_id: str | None,
+    ) -> ClientRequest:
+        """A request over the latent cache, as `prefill_latent` takes it."""
+        w_kv_b = self._weights.tensor(weight)
+        options = wire.options_metadata(
+            causal=causal, return_lse=return_lse, scale=scale, request_id=request_id,
+            form=form, weight=weight,
+        )  # fmt: skip
+        tensors, outputs, work = check_latent(
+            q, kv_c, k_pe, q_cu_seq_lens, kv_cu_seq_lens, w_kv_b,
+            causal=causal, return_lse=return_lse,
+        )  # fmt: skip
+        return ClientRequest(tensors, options, outputs, work, self, weight)
+
+    def _weight_put(self, name: str) -> Exchange:
+        """The registration of the weight `name` with an endpoint."""
+        path, parts, headers = self._weights.put(name, self._auth({}))
+        return Exchange("PUT", path, MAX_REGISTER_ANSWER, parts, headers)
+
+    def _weight_delete(self, name: str) -> Exchange:
+        return Exchange("DELETE", f"/weights/{name}", MAX_REGISTER_ANSWER, None, self._auth({}))
 
     def _offered(self, status: int, body: Bytes) -> Offer:
         """The regions a /health answer offers (`_offers.offered`). Blocking."""

@@ -28,6 +28,7 @@ from ._base import (
 )
 from ._deadline import Deadline
 from ._endpoints import Endpoint
+from ._latent import registered
 from ._names import FIRST_WAIT
 from ._resend import Resend
 from ._retry import Translated
@@ -206,7 +207,68 @@ class PrefillClient(BaseClient[httpx.Client]):
                     return self._attempt(ep, pending)
                 time.sleep(pending.wait)
 
+    def register_weight(self, name: str, w_kv_b: torch.Tensor) -> None:
+        """Keep `w_kv_b` (a layer's `kv_b_proj` weight, `[H * (Dn + Dv), R]`) as the weight
+        `name` for `prefill_latent`: registered with each endpoint the first time a call takes
+        one there (`PUT /weights/{name}`), never sent with a call. Registering a name again
+        replaces its weight."""
+        self._weights.add(name, w_kv_b)
+
+    def forget_weight(self, name: str) -> None:
+        """Forget the weight `name` here and at every endpoint that holds it."""
+        deadline = self._deadline()
+        with call_deadline(deadline):
+            for ep in self._weights.drop(name):
+                self._send(ep, self._weight_delete(name), deadline)
+
+    def prefill_latent(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        weight: str,
+        q_cu_seq_lens: torch.Tensor,
+        kv_cu_seq_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        form: str = "auto",
+        request_id: str | None = None,
+    ) -> PrefillOutput:
+        """As `zen_mla.latent_attention` with the registered weight `weight` as `w_kv_b`,
+        computed by the service: the call carries the latent (`kv_c`, `k_pe`), never the
+        context's keys and values, nor the weight."""
+        pending = self._latent_request(
+            q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
+            causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
+        )  # fmt: skip
+        with call_deadline(pending.deadline):
+            self._refresh(pending.deadline)
+            while True:
+                with pending.attempt() as ep:
+                    return self._attempt(ep, pending)
+                time.sleep(pending.wait)
+
+    def _latent_attempt(self, ep: Endpoint[httpx.Client], pending: ClientRequest) -> PrefillOutput:
+        """A call over the latent cache: its weight registered there first where it is not
+        yet, and again where the endpoint answers it has none (a restarted service)."""
+        name, weights = pending.weight, self._weights
+        assert name is not None
+        for again in (False, True):
+            if not weights.held(ep, name):
+                status, headers, body = self._send(ep, self._weight_put(name), pending.deadline)
+                registered(status, body, headers)
+                weights.mark(ep, name, True)
+            status, headers, body = self._send(ep, pending.post(), pending.deadline)
+            if status != 404 or again:
+                break
+            weights.mark(ep, name, False)
+        return pending.decoded(status, body, headers)
+
     def _attempt(self, ep: Endpoint[httpx.Client], pending: ClientRequest) -> PrefillOutput:
+        if pending.weight is not None:
+            return self._latent_attempt(ep, pending)
         regions = self._regions_for(ep, pending.deadline, for_call=True)
         if regions is not None:
             try:
