@@ -72,7 +72,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     tmp: Path = tmp_path_factory.mktemp("weights")
     tenants = tmp / "tenants"
     tenants.write_text("team-a token-a\nteam-b token-b\n")
-    with serve(tmp, workers=2, tenants_file=str(tenants), max_weights=3) as s:
+    with serve(
+        tmp, workers=2, tenants_file=str(tenants), max_weights=3, max_weight_bytes=1 << 20
+    ) as s:
         yield s
 
 
@@ -140,6 +142,7 @@ def _header_bytes(w: torch.Tensor) -> int:
         ),
         (lambda c: c.put("/weights/w", content=b"{}", headers=A | OCTETS), 400, ""),
         (lambda c: _register(c, "w", _weight(), {}), 401, ""),
+        (lambda c: _register(c, "w", torch.zeros(1024, 1024, dtype=torch.bfloat16), A), 413, ""),
         (lambda c: _call(c, _latent([3], [9]), "nowhere", A), 404, "nowhere"),
         (
             lambda c: c.post("/prefill", content=_body(_latent([3], [9]), {}), headers=A | OCTETS),
@@ -154,6 +157,7 @@ def _header_bytes(w: torch.Tensor) -> int:
         "another_tensor",
         "not_safetensors",
         "no_token",
+        "over_max_weight_bytes",
         "unknown_weight",
         "latent_without_weight",
     ],
