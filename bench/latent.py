@@ -3,6 +3,7 @@ and absorb forms and auto) against what vLLM does today, expanding the whole con
 values with one fp32 matmul and handing them to `zen_mla.ragged_attention`.
 
     .venv/bin/python bench/latent.py [--reps 5] [--context 16384] [--new 64,256,2048]
+    .venv/bin/python bench/latent.py --crossover [--reps 5] [--context 16384] [--new 16,...]
 
 One sequence per call: `--context` cached tokens then M new ones (causal, keys Tk = context + M),
 DeepSeek-V3's dims (16 heads, kv_lora_rank 512, rope 64, Dqk 192, Dv 128), bf16 inputs. Prints
@@ -12,6 +13,11 @@ gives it, and each method's peak extra memory: the growth of VmHWM over one call
 process, the high-water mark reset first through /proc/self/clear_refs (the inputs do not count,
 the output does), glibc's mmap threshold held at 128 KiB so that each block larger is fresh
 pages. Writes bench/out/latent.png.
+
+`--crossover` calibrates "auto" on this host instead: paired medians of the two forms forced and
+of auto over a sweep of M (default 16 to 4096), auto's time over the better form's, and the
+crossover measured (the least M of the sweep from which expanding is faster at every larger M)
+beside the one auto takes here (`CROSSOVER`, or `CROSSOVER_FP32` without bf16 products).
 """
 
 from __future__ import annotations
@@ -39,17 +45,31 @@ from kernel import cpu_line
 
 import zen_mla
 from zen_mla.attention.batch import visible_pairs
-from zen_mla.attention.latent import CROSSOVER, Form, latent_attention
+from zen_mla.attention.latent import (
+    CROSSOVER,
+    CROSSOVER_FP32,
+    Form,
+    bf16_unavailable,
+    latent_attention,
+)
 
 H, RANK, ROPE, NOPE, DV = 16, 512, 64, 128, 128
 DQK = NOPE + ROPE
 BASELINE = "expand all + ragged_attention"
 METHODS = ("expand", "absorb", "auto", BASELINE)
+#: the M of `--crossover`'s sweep unless --new names others
+SWEEP = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 1024, 2048, 4096)
 
 #: glibc serves every block from 128 KiB up by its own mapping and unmaps it when freed (its
 #: threshold otherwise rises to the largest block freed, up to 32 MiB, and a call's blocks then
 #: reuse pages the warm-up left resident, unseen by VmHWM)
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+
+
+def auto_crossover() -> int:
+    """The M from which auto expands bf16 inputs here: `CROSSOVER` with bf16 products,
+    `CROSSOVER_FP32` where this host takes fp32 ones."""
+    return CROSSOVER if bf16_unavailable() is None else CROSSOVER_FP32
 
 
 def make_inputs(context: int, new: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,7 +111,20 @@ def method(name: str, x: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
     if name == BASELINE:
         return lambda: expand_all(x)
     form = cast(Form, name)
-    return lambda: latent_attention(**x, causal=True, form=form)
+    return lambda: _latent(x, form)
+
+
+def _latent(x: dict[str, torch.Tensor], form: Form) -> torch.Tensor:
+    return latent_attention(
+        x["q"],
+        x["kv_c"],
+        x["k_pe"],
+        x["w_kv_b"],
+        x["q_cu_seq_lens"],
+        x["kv_cu_seq_lens"],
+        causal=True,
+        form=form,
+    )
 
 
 def model_flops(name: str, context: int, new: int) -> float:
@@ -99,7 +132,9 @@ def model_flops(name: str, context: int, new: int) -> float:
     Dqk/Dv attention; or absorbing, (R + P)/R attention plus folding each query in and out."""
     tk = context + new
     pairs = visible_pairs(new, tk, causal=True)
-    form = name if name in ("expand", "absorb") else "absorb" if new < CROSSOVER else "expand"
+    form = (
+        name if name in ("expand", "absorb") else "absorb" if new < auto_crossover() else "expand"
+    )
     if name == BASELINE or form == "expand":
         return H * (2.0 * tk * RANK * (NOPE + DV) + 2.0 * pairs * (DQK + DV))
     return H * (2.0 * pairs * (2 * RANK + ROPE) + 2.0 * new * RANK * (NOPE + DV))
@@ -128,8 +163,7 @@ def agreement(x: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each form's largest difference from the baseline's out (both bf16)."""
     base = expand_all(x).float()
     return {
-        form: float((latent_attention(**x, form=form).float() - base).abs().max())
-        for form in ("expand", "absorb")
+        form: float((_latent(x, form).float() - base).abs().max()) for form in ("expand", "absorb")
     }
 
 
@@ -201,24 +235,65 @@ def plot(results: dict[int, dict[str, float]], path: Path) -> bool:
     return True
 
 
+def crossover(context: int, news: list[int], reps: int) -> None:
+    """`--crossover`: the two forms forced and auto, paired, over a sweep of M; the crossover
+    measured and the module's."""
+    rows, faster = [], {}
+    for new in news:
+        x = make_inputs(context, new)
+        forms: tuple[Form, ...] = ("expand", "absorb", "auto")
+        med = c.paired_medians({form: method(form, x) for form in forms}, reps)
+        best = min(med["expand"], med["absorb"])
+        faster[new] = med["expand"] < med["absorb"]
+        rows.append(
+            [str(new)]
+            + [f"{med[form] * 1e3:.1f}" for form in forms]
+            + [f"{med['absorb'] / med['expand']:.2f}", f"{med['auto'] / best:.2f}"]
+        )
+        print(f"M={new} done", file=sys.stderr, flush=True)
+        del x
+    print(
+        f"\nPaired medians of {reps} reps, {context} cached tokens + M new, H={H}, bf16, "
+        f"{torch.get_num_threads()} threads\n"
+    )
+    header = ["M", "expand ms", "absorb ms", "auto ms", "absorb / expand", "auto / better"]
+    print(c.table(header, rows))
+    # the least M from which expanding wins at every M of the sweep
+    measured = next(
+        (m for m in news if all(faster[n] for n in news if n >= m)), max(news, default=0) + 1
+    )
+    print(f"\ncrossover measured here: M = {measured}; auto's here: {auto_crossover()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--context", type=int, default=16384, help="cached tokens before M")
-    parser.add_argument("--new", default="64,256,2048", help="the M of each row, comma separated")
+    parser.add_argument("--new", help="the M of each row, comma separated (default 64,256,2048)")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument(
+        "--crossover",
+        action="store_true",
+        help="calibrate auto: the forms over a sweep of M (--new, default 16 to 4096)",
+    )
     parser.add_argument("--memory-of", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    news = [int(m) for m in args.new.split(",")]
+    default = ",".join(map(str, SWEEP)) if args.crossover else "64,256,2048"
+    news = [int(m) for m in (args.new or default).split(",")]
     if args.memory_of:
         measure_memory(args.memory_of, args.context, news[0])
         return
     status = zen_mla.host_kernels()
     print(f"CPU: {cpu_line(status)}")
+    why = bf16_unavailable()
     print(
         f"torch {torch.__version__}; the baseline's ragged kernel (auto): "
-        f"{status['auto']['out']['kernel']}; auto absorbs below M = {CROSSOVER}"
+        f"{status['auto']['out']['kernel']}; latent_attention's products: "
+        f"{'fp32 (' + why + ')' if why else 'bf16'}; auto absorbs below M = {auto_crossover()}"
     )
+    if args.crossover:
+        crossover(args.context, news, args.reps)
+        return
     print(f"\nOne sequence: {args.context} cached tokens + M new, causal, H={H}, bf16\n")
     print(
         c.table(["M", "Tk", "expanded MiB", "latent MiB", "ratio"], byte_rows(args.context, news))

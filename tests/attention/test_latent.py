@@ -167,6 +167,7 @@ def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
         # 4 keys of SMALL's k and v, bf16; 3 queries of its heads
         per_key = SMALL.heads * (SMALL.nope + SMALL.rope + SMALL.v) * 2
         monkeypatch.setattr(latent, "NATIVE_BLOCK_BYTES", 4 * per_key)
+        monkeypatch.setattr(latent, "NATIVE_BLOCK_MAX_BYTES", 4 * per_key)
         monkeypatch.setattr(latent, "ABSORB_ROWS", 3 * SMALL.heads)
     return str(request.param)
 
@@ -180,6 +181,7 @@ def test_matches_fp64_reference(spec, form, causal, dtype, precision, blocks, mo
     # auto takes both forms here: sequences of 6 new tokens and more expand
     monkeypatch.setattr(latent, "CROSSOVER", 6)
     monkeypatch.setattr(latent, "CROSSOVER_FP32", 6)
+    monkeypatch.setattr(latent, "ABSORB_CONTEXT_KNEE", 0)
     x = _inputs(spec, SMALL, dtype)
     out, lse = latent_attention(**x, causal=causal, return_lse=True, form=form, precision=precision)
     _assert_close(x, out, lse, causal, precision=precision)
@@ -244,16 +246,34 @@ def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, str]) -> list[tuple[
     ],
 )
 def test_auto_takes_each_sequence_by_its_new_tokens(monkeypatch, dtype, precision):
-    """Absorb below the crossover of the products taken, expand from it, both in one batch."""
+    """Absorb below the crossover of the products taken, expand from it, both in one batch
+    (no context knee: absorb exactly where Sq < the crossover)."""
     bf16 = dtype == torch.bfloat16 and precision == "auto"
     names = ("_expand_bf16", "_absorb_bf16") if bf16 else ("_expand", "_absorb")
     crossover = latent.CROSSOVER if bf16 else latent.CROSSOVER_FP32
+    monkeypatch.setattr(latent, "ABSORB_CONTEXT_KNEE", 0)
     took = _spy(monkeypatch, names)
     x = _inputs(Spec([crossover - 1, crossover, 3], [200, 300, 0]), SMALL, dtype)
-    out, lse = latent_attention(**x, return_lse=True, precision=precision)
+    out, lse = latent_attention(**x, causal=False, return_lse=True, precision=precision)
     # the third sequence has no keys: answered without either form
     assert took == [(names[1], crossover - 1), (names[0], crossover)]
-    _assert_close(x, out, lse, causal=True, precision=precision)
+    _assert_close(x, out, lse, causal=False, precision=precision)
+
+
+@needs_bf16_products
+def test_auto_expands_short_contexts(monkeypatch):
+    """16 new tokens absorb after 2,000 cached ones, expand with none (absorbing is 3x slower
+    there), as do 200 new after 20,000 (past the crossover) and 100 after 500."""
+    took = _spy(monkeypatch, ("_expand_bf16", "_absorb_bf16"))
+    x = _inputs(Spec([16, 16, 200, 100], [2016, 16, 20200, 600]), SMALL, torch.bfloat16)
+    out, lse = latent_attention(**x, return_lse=True)
+    assert took == [
+        ("_absorb_bf16", 16),
+        ("_expand_bf16", 16),
+        ("_expand_bf16", 200),
+        ("_expand_bf16", 100),
+    ]
+    _assert_close(x, out, lse, causal=True)
 
 
 def test_no_bf16_products_without_bf16_arithmetic(monkeypatch):
@@ -263,7 +283,7 @@ def test_no_bf16_products_without_bf16_arithmetic(monkeypatch):
     took = _spy(monkeypatch, ("_expand", "_absorb"))
     for name in ("_expand_bf16", "_absorb_bf16", "_native"):
         monkeypatch.setattr(latent, name, None)  # calling one raises
-    x = _inputs(Spec([3, 200], [30, 300]), SMALL, torch.bfloat16)
+    x = _inputs(Spec([3, 200], [30, 2000]), SMALL, torch.bfloat16)
     out, lse = latent_attention(**x, return_lse=True)
     assert took == [("_absorb", 3), ("_expand", 200)]
     _assert_close(x, out, lse, causal=True, precision="fp32")
@@ -273,7 +293,8 @@ def test_no_bf16_products_without_bf16_arithmetic(monkeypatch):
 def test_bf16_products_on_deepseek_heads_over_several_blocks(monkeypatch):
     """DeepSeek's dims, a context of several key blocks of the module's own size and causal
     diagonals of several absorbed row blocks, both forms against fp64."""
-    monkeypatch.setattr(latent, "NATIVE_BLOCK_BYTES", 1024 * 2 * 320 * 2)  # 1024 keys
+    for name in ("NATIVE_BLOCK_BYTES", "NATIVE_BLOCK_MAX_BYTES"):
+        monkeypatch.setattr(latent, name, 1024 * 2 * 320 * 2)  # 1024 keys
     monkeypatch.setattr(latent, "ABSORB_ROWS", 2 * 50)  # 50 queries a call
     dims = Dims(heads=2, rank=512, rope=64, nope=128, v=128)
     x = _inputs(Spec([130, 1], [3000, 700]), dims, torch.bfloat16)

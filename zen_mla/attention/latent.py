@@ -42,11 +42,15 @@ from .batch import check_offsets, check_scale, check_tensor
 from .host import cpu_facts
 
 __all__ = [
+    "ABSORB_CONTEXT_KNEE",
+    "ABSORB_ROWS",
     "CROSSOVER",
     "CROSSOVER_FP32",
     "FORMS",
     "KEY_BLOCK",
     "NATIVE_BLOCK_BYTES",
+    "NATIVE_BLOCK_BYTES_PER_QUERY",
+    "NATIVE_BLOCK_MAX_BYTES",
     "PRECISIONS",
     "SCORE_BUDGET_BYTES",
     "Form",
@@ -63,12 +67,23 @@ Precision = Literal["auto", "fp32"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "fp32")
 
 #: new tokens of a sequence from which "auto" expands rather than absorbs, with bf16 products
-#: (`precision="auto"` on bf16 inputs where `bf16_unavailable()` is None): CALIBRATED below
-CROSSOVER = 128
+#: (`precision="auto"` on bf16 inputs where `bf16_unavailable()` is None), in the limit of a
+#: long context: a sequence of M new tokens after C cached ones (C = Sk - M causal, Sk not)
+#: absorbs where M < CROSSOVER x C / (C + `ABSORB_CONTEXT_KNEE`), 179 at a 16k context, 144 at
+#: 2k, 86 at 512, none at 0 (`engine.latent_work` takes M < CROSSOVER). Measured on an AMD
+#: EPYC Zen 5 (2 vCPUs, 16 heads, DeepSeek-V3's dims, paired medians, `bench/latent.py
+#: --crossover`): at 16k, absorb / expand 0.86 at M = 160, 1.02 at 192 (quiet host; 0.94 and
+#: 1.07 with a busy neighbour); the forms meet near M = 150 at 2k, 110 at 1k, 80 at 512, 55 at
+#: 256, 20-30 at 128, and absorbing is 3x slower at every M without context
+CROSSOVER = 186
+
+#: the context (cached keys) at which "auto"'s crossover is half `CROSSOVER`: absorbing's causal
+#: diagonal (a sequence a head, the keys repeated) and fixed costs weigh more on short contexts
+ABSORB_CONTEXT_KNEE = 600
 
 #: the same with fp32 products (fp32 or fp16 inputs, `precision="fp32"`, or a CPU without bf16
-#: arithmetic): where the cost model's two figures (module docstring) meet for DeepSeek's dims,
-#: 262,144 / (2,176 - 640) = 170.7
+#: arithmetic), whatever the context: where the cost model's two figures (module docstring) meet
+#: for DeepSeek's dims, 262,144 / (2,176 - 640) = 170.7
 CROSSOVER_FP32 = 170
 
 #: keys a block of the fp32 flash loop takes: the expand form makes k_nope and v for this many
@@ -79,9 +94,15 @@ KEY_BLOCK = 256
 SCORE_BUDGET_BYTES = 8 << 20
 
 #: bf16 products: the bytes of one key block's k and v (bf16, all heads) the expand form makes
-#: and hands the native kernel at once (which packs as many again); the block is a multiple of
-#: 256 keys
-NATIVE_BLOCK_BYTES = 16 << 20
+#: and hands the native kernel at once (which packs as many again): `NATIVE_BLOCK_BYTES_PER_QUERY`
+#: a query of the sequence (a block's merge costs as much as its queries' out: more queries,
+#: larger blocks), from `NATIVE_BLOCK_BYTES` to `NATIVE_BLOCK_MAX_BYTES`, a multiple of 256 keys.
+#: Measured on an AMD EPYC Zen 5 (2 vCPUs, 16k context, 16 heads, paired): 8 MiB blocks were the
+#: fastest from 16 to 256 new tokens (2 and 4 MiB no faster, 16 MiB 5-7 % slower at 16 and 64,
+#: 32 MiB 15 %), 24-32 MiB from 1024 to 4096 (8 MiB 6-10 % slower at 1024 and 2048, 48 MiB 5 %)
+NATIVE_BLOCK_BYTES = 8 << 20
+NATIVE_BLOCK_BYTES_PER_QUERY = 16 << 10
+NATIVE_BLOCK_MAX_BYTES = 32 << 20
 
 #: bf16 products: the absorbed query rows (queries x heads) of one native kernel call
 ABSORB_ROWS = 4096
@@ -250,8 +271,8 @@ def latent_attention(
         return_lse: also return the softmax log-sum-exp.
         scale: score scale, default `Dqk ** -0.5`.
         form: "expand", "absorb", or "auto": per sequence, absorb where its new tokens Sq are
-            fewer than `CROSSOVER` (bf16 products; `CROSSOVER_FP32` with fp32 ones), expand
-            otherwise (a batch may use both).
+            fewer than `CROSSOVER`, less on a short context (bf16 products; `CROSSOVER_FP32`
+            with fp32 ones), expand otherwise (a batch may use both).
         precision: "auto", bf16 products for bf16 inputs where `bf16_unavailable()` is None
             (their LSE within ~1e-3 of fp64 rather than ~1e-6: the module's docstring), fp32
             products otherwise; or "fp32", fp32 products always.
@@ -270,7 +291,7 @@ def latent_attention(
     `[H, rows, R + P]` queries and `[H, rows, R]` running output. About 26 MiB for a 16k
     context, 256 new tokens and DeepSeek-V3's 16 heads, expanding.
 
-    bf16 products: expand, one key block's k and v (`NATIVE_BLOCK_BYTES`, bf16) and the
+    bf16 products: expand, one key block's k and v (8 to 32 MiB: `NATIVE_BLOCK_BYTES`) and the
     kernel's packed copy, and where there are several blocks, a block's out (bf16) and the
     running out `[Sq, H, Dv]` (fp32); absorb, [kv_c, k_pe] (a view where they are one cache
     row, else a copy), the kernel's packed keys and values of the context, and per
@@ -328,7 +349,6 @@ def _attend(
         and batch.q.shape[0] > 0
         and bf16_unavailable() is None
     )
-    crossover = CROSSOVER if bf16 else CROSSOVER_FP32
     weights = _Weights(batch.w_kv_b.reshape(h, nope + dv, rank))
     qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
     for r in range(batch.num_seqs):
@@ -344,7 +364,7 @@ def _attend(
         if blind == sq:
             continue
         keys = slice(kc[r], kc[r + 1])
-        absorb = form == "absorb" or (form == "auto" and sq < crossover)
+        absorb = form == "absorb" or (form == "auto" and _absorbs(sq, sk, batch.causal, bf16))
         if bf16:
             attend = _absorb_bf16 if absorb else _expand_bf16
             w = weights.bf16
@@ -362,6 +382,16 @@ def _attend(
             lse[:, start : qc[r + 1]],
         )
     return out, lse
+
+
+def _absorbs(sq: int, sk: int, causal: bool, bf16: bool) -> bool:
+    """Whether "auto" absorbs a sequence of `sq` queries and `sk` keys: bf16 products, where
+    `sq` (C + `ABSORB_CONTEXT_KNEE`) < `CROSSOVER` C, C its cached keys (`sk - sq` causal, `sk`
+    not); fp32 ones, where `sq < CROSSOVER_FP32`."""
+    if not bf16:
+        return sq < CROSSOVER_FP32
+    context = max(0, sk - sq) if causal else sk
+    return sq * (context + ABSORB_CONTEXT_KNEE) < CROSSOVER * context
 
 
 class _Weights:
@@ -566,10 +596,13 @@ def _key_edges(sk: int, s: int, step: int, causal: bool) -> list[int]:
     return edges
 
 
-def _native_block(heads: int, dqk: int, dv: int) -> int:
-    """Keys of one bf16 expand block: k and v in `NATIVE_BLOCK_BYTES`, a multiple of 256 keys
-    (the kernel's key blocks) where that is 256 or more, at least 1."""
-    keys = NATIVE_BLOCK_BYTES // (heads * (dqk + dv) * 2)
+def _native_block(queries: int, heads: int, dqk: int, dv: int) -> int:
+    """Keys of one bf16 expand block for `queries` queries (`NATIVE_BLOCK_BYTES`), a multiple of
+    256 keys (the kernel's key blocks) where that is 256 or more, at least 1."""
+    budget = min(
+        NATIVE_BLOCK_MAX_BYTES, max(NATIVE_BLOCK_BYTES, queries * NATIVE_BLOCK_BYTES_PER_QUERY)
+    )
+    keys = budget // (heads * (dqk + dv) * 2)
     return keys // 256 * 256 if keys >= 256 else max(1, keys)
 
 
@@ -595,7 +628,7 @@ def _expand_bf16(
     nope = dqk - k_pe.shape[1]
     dv = w.shape[1] - nope
     w_t = w.reshape(h * (nope + dv), rank).t()
-    edges = _key_edges(sk, s, _native_block(h, dqk, dv), causal)
+    edges = _key_edges(sk, s, _native_block(s, h, dqk, dv), causal)
     acc = m = part = part_lse = None
     for k0, k1 in itertools.pairwise(edges):
         n = k1 - k0
@@ -659,7 +692,8 @@ def _absorb_bf16(
     nope = dqk - rope
     width = rank + rope
     key = _latent_key(kv_c, k_pe)
-    w_k, w_v_t = w[:, :nope], w[:, nope:].transpose(1, 2)  # [H, Dn, R], [H, R, Dv]
+    # [H, Dn, R] and [H, Dv, R], views: bmm copies a transposed weight on every call
+    w_k, w_v = w[:, :nope], w[:, nope:]
     off = sk - s
     rows = max(1, ABSORB_ROWS // h)
     for a in range(0, s, rows):
@@ -689,5 +723,7 @@ def _absorb_bf16(
             acc = o.to(torch.float32)
             _merge_into(acc, o_lse, o2, o2_lse)
             o = acc.to(q.dtype)
-        out[a:b] = torch.bmm(o.view(h, n, rank), w_v_t).transpose(0, 1)
+        # out^T = W_v o^T a head: the block's o transposed (H n R), not the weight (H R Dv)
+        o_t = o.view(h, n, rank).transpose(1, 2).contiguous()
+        out[a:b] = torch.bmm(w_v, o_t).permute(2, 0, 1)
         lse[:, a:b] = o_lse.view(h, n)
