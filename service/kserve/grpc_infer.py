@@ -150,7 +150,7 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
     def expect(self, settings: Settings, door: Door) -> Expect:
         self.max_json_bytes = settings.max_json_bytes
         self.system_shm = settings.system_shm
-        self.scope_regions(door)
+        self.scope(door)
         return Expect(message_limit(settings), small=True)
 
     async def decode(
@@ -178,12 +178,13 @@ class GrpcInferForm(V2Form[GrpcAnswer]):
         try:
             tensors |= input_tensors(engine, req, buf, 0, self.regions)
             homes, staging = place_inputs(engine, tensors, buf, req, self.regions)
+            weight, leases = self.lease_weight(tensors, req)
         except BaseException:
             if buf is not None:
                 engine.release(buf)
             raise
         made = [b for b in (buf, staging) if b is not None]
-        return Work(tensors, req.options, homes, made, req.timeout)
+        return Work(tensors, req.options, [*homes, *weight], made, req.timeout, leases)
 
     def _read(
         self, head: pb.ModelInferRequest | bytes, raws: list[memoryview]

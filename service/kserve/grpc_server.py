@@ -280,9 +280,7 @@ def _handlers(state: ServiceState, connections: int) -> grpc.GenericRpcHandler:
         "ServerMetadata": unread(server_metadata),
         "ModelReady": small("grpc_model", pb.ModelReadyRequest, model_ready),
         "ModelMetadata": small("grpc_model", pb.ModelMetadataRequest, model_metadata),
-        "ModelInfer": method(
-            lambda door: through_pipeline(door, GrpcInferForm(state.system_shm, big_json))
-        ),
+        "ModelInfer": method(lambda door: through_pipeline(door, GrpcInferForm(state, big_json))),
         "SystemSharedMemoryStatus": small(
             "grpc_shm", pb.SystemSharedMemoryStatusRequest, shm_status
         ),

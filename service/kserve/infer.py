@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
@@ -27,14 +29,17 @@ from zen_mla import (
     WireFormatError,
     ZenMLAError,
 )
+from zen_mla.caller import Caller
 from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, SharedBuffer
-from zen_mla.regions import CallerShm, SystemShmRegistry, off_error
+from zen_mla.regions import CallerShm, off_error
 
 from ..answer import server_timing
 from ..body import SMALL_BYTES
 from ..doors import Door, byte_count
 from ..forms.base import Computed, Expect, Form, RequestRecord, Work
+from ..forms.weight import weights_of
 from ..settings import Settings
+from ..state import ServiceState
 from . import request as kr
 from .errors import error_response
 from .outputs import Places, direct_outputs, output_places, respond
@@ -73,9 +78,11 @@ class V2Form(Form[A]):
     once `expect` knows the caller: it names its own only), where its outputs go, and a
     worker's failure explained by the regions it read."""
 
-    def __init__(self, registry: SystemShmRegistry | None, big_json: asyncio.Semaphore) -> None:
-        self.registry = registry
+    def __init__(self, state: ServiceState, big_json: asyncio.Semaphore) -> None:
+        self.state = state
+        self.registry = state.system_shm
         self.regions: CallerShm | None = None
+        self.caller: Caller | None = None
         self.big_json = big_json
         self.req: kr.InferRequest | None = None
         self.out_places: Places = {}
@@ -83,10 +90,24 @@ class V2Form(Form[A]):
         self.max_json_bytes = 0  # the rest from the request's head (`expect`)
         self.system_shm = False
 
-    def scope_regions(self, door: Door) -> None:
-        """The regions this request may name: its caller's (`door` authorized already)."""
+    def scope(self, door: Door) -> None:
+        """The regions and weights this request may name: its caller's (`door` authorized
+        already)."""
+        self.caller = door.caller
         if self.registry is not None:
             self.regions = self.registry.of(door.caller)
+
+    def lease_weight(
+        self, tensors: dict[str, torch.Tensor], req: kr.InferRequest
+    ) -> tuple[list[SharedBuffer], tuple[Callable[[], None], ...]]:
+        """Over the latent cache: the weight `req` names, leased for the work and added to
+        `tensors` as `w_kv_b`; the buffer it lies in and the lease (none otherwise)."""
+        if req.weight is None:
+            return [], ()
+        weights = weights_of(self.state)
+        weight = weights.lease(self.caller, req.weight, "parameters.weight")
+        tensors["w_kv_b"] = weight.tensor
+        return [weight.buffer], (functools.partial(weights.give_back, weight),)
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
         assert self.req is not None
@@ -112,10 +133,10 @@ class InferForm(V2Form[Response]):
         request: Request,
         model: str,
         version: str,
-        registry: SystemShmRegistry | None,
+        state: ServiceState,
         big_json: asyncio.Semaphore,
     ) -> None:
-        super().__init__(registry, big_json)
+        super().__init__(state, big_json)
         self.request = request
         self.model, self.version = model, version
         self.json_bytes = self.binary_bytes = 0
@@ -138,7 +159,7 @@ class InferForm(V2Form[Response]):
                 f"got {self.json_bytes}; send tensors as binary data (binary_data_size)"
             )
         self.system_shm = settings.system_shm
-        self.scope_regions(door)
+        self.scope(door)
         return Expect(settings.max_body_bytes, lead=-self.json_bytes % ALIGN)
 
     async def decode(
@@ -155,8 +176,9 @@ class InferForm(V2Form[Response]):
             raise off_error()
         tensors |= input_tensors(engine, req, body, lead + self.json_bytes, self.regions)
         homes, staging = place_inputs(engine, tensors, body, req, self.regions)
+        weight, leases = self.lease_weight(tensors, req)
         # staging, where made, is given back with the body once the work is done
-        return Work(tensors, req.options, homes, staging, req.timeout)
+        return Work(tensors, req.options, [*homes, *weight], staging, req.timeout, leases)
 
     async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None and self.req is not None
@@ -275,16 +297,17 @@ def place_inputs(
     req: kr.InferRequest,
     regions: CallerShm | None,
 ) -> tuple[list[SharedBuffer], SharedBuffer | None]:
-    """The buffers q, k and v lie in (`body`: the one the request's binary data was read
-    into, if any); where some lie in a region and others in none (JSON data, copies), those
-    others are staged into a buffer of ours first (returned second, for the caller to release):
-    the pool would stage all three, reading the region here."""
+    """The buffers q, k and v (or q, kv_c and k_pe) lie in (`body`: the one the request's
+    binary data was read into, if any); where some lie in a region and others in none (JSON
+    data, copies), those others are staged into a buffer of ours first (returned second, for
+    the caller to release): the pool would stage all three, reading the region here."""
     given = [] if body is None else [body]
-    for name in ("q", "k", "v"):
+    values = ("q", "kv_c", "k_pe") if "kv_c" in tensors else ("q", "k", "v")
+    for name in values:
         place = req.inputs[name].shm
         if place is not None and regions is not None:
             given.append(regions.resolve(name, place.region).buffer)
-    loose = [n for n in ("q", "k", "v") if not any(b.contains(tensors[n]) for b in given)]
+    loose = [n for n in values if not any(b.contains(tensors[n]) for b in given)]
     if not loose or all(b is body for b in given):
         return given, None  # all in place, or the pool stages them from ordinary memory
     sizes = [-(-tensors[n].nbytes // ALIGN) * ALIGN for n in loose]

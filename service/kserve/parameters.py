@@ -11,6 +11,7 @@ from typing import Any
 
 from zen_mla import InvalidInputError
 from zen_mla.deadline import timeout_of
+from zen_mla.wire import check_weight_name
 
 __all__ = [
     "PARAMETERS",
@@ -25,7 +26,16 @@ __all__ = [
 ]
 
 #: the request's parameters
-PARAMETERS = ("causal", "return_lse", "scale", "kernel", "binary_data_output", "timeout")
+PARAMETERS = (
+    "causal",
+    "return_lse",
+    "scale",
+    "kernel",
+    "binary_data_output",
+    "timeout",
+    "form",
+    "weight",
+)
 #: a tensor's parameters that place it in system shared memory
 SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
@@ -71,10 +81,12 @@ def request_parameters(raw: object) -> dict[str, Any]:
             if not (ok and math.isfinite(value) and value > 0):
                 raise InvalidInputError("scale", "a finite number > 0", repr(value)[:40])
             out[key] = float(value)
-        elif key == "kernel":
+        elif key in ("kernel", "form"):
             if not isinstance(value, str):
-                raise InvalidInputError("kernel", "a string", kind(value))
+                raise InvalidInputError(key, "a string", kind(value))
             out[key] = value
+        elif key == "weight":  # a registered w_kv_b, for a request over the latent cache
+            out[key] = check_weight_name("parameters.weight", value)
         elif key == "timeout":
             # microseconds (tritonclient's `timeout=`; 0 for none): the caller's deadline, work
             # still queued at it is not computed (`zen_mla.deadline`)

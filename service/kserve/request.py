@@ -55,10 +55,14 @@ INPUTS: dict[str, tuple[tuple[str, ...], int]] = {
     "q": (_VALUES, 3),
     "k": (_VALUES, 3),
     "v": (_VALUES, 3),
+    "kv_c": (_VALUES, 2),
+    "k_pe": (_VALUES, 2),
     "q_cu_seq_lens": (_INDEXES, 1),
     "kv_cu_seq_lens": (_INDEXES, 1),
 }
 REQUIRED = ("q", "k", "v", "q_cu_seq_lens")
+#: over MLA's latent cache: kv_c and k_pe in place of k and v, and the weight a parameter names
+LATENT_REQUIRED = ("q", "kv_c", "k_pe", "q_cu_seq_lens")
 OUTPUTS = ("out", "lse")
 
 
@@ -91,6 +95,8 @@ def model_metadata() -> dict[str, Any]:
             tensor("q", "BF16", [-1, -1, -1]),
             tensor("k", "BF16", [-1, -1, -1]),
             tensor("v", "BF16", [-1, -1, -1]),
+            tensor("kv_c", "BF16", [-1, -1], optional=True, note="latent: in place of k, v"),
+            tensor("k_pe", "BF16", [-1, -1], optional=True, note="latent: in place of k, v"),
             tensor("q_cu_seq_lens", "INT32", [-1]),
             tensor("kv_cu_seq_lens", "INT32", [-1], optional=True),
         ],
@@ -147,6 +153,8 @@ class InferRequest:
     kernel: str = "auto"
     binary_bytes: int = 0
     timeout: float | None = None  # the caller's seconds (its `timeout` parameter)
+    form: str = "auto"  # over the latent cache: how it is attended
+    weight: str | None = None  # over the latent cache: the registered w_kv_b it names
     uses_shm: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -155,7 +163,15 @@ class InferRequest:
 
     @property
     def options(self) -> PrefillOptions:
-        return PrefillOptions(self.causal, self.return_lse, self.scale, self.kernel, self.id)
+        return PrefillOptions(
+            self.causal,
+            self.return_lse,
+            self.scale,
+            self.kernel,
+            self.id,
+            form=self.form,
+            weight=self.weight,
+        )
 
 
 def parse_header(raw: bytes | memoryview) -> object:
@@ -199,9 +215,24 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         inputs[spec.name] = spec
         if spec.binary is not None:
             at += spec.nbytes
-    for name in REQUIRED:
+    latent = "kv_c" in inputs or "k_pe" in inputs
+    for name in LATENT_REQUIRED if latent else REQUIRED:
         if name not in inputs:
             raise InvalidInputError(name, "an input of that name in the request", "none")
+    if latent:
+        for name in ("k", "v"):
+            if name in inputs:
+                raise InvalidInputError(name, "no k or v beside kv_c (the latent cache)", "one")
+        if "weight" not in params:
+            raise InvalidInputError(
+                "parameters.weight",
+                "the name of a registered w_kv_b beside kv_c (PUT /weights/{name})",
+                "none",
+            )
+    elif "weight" in params:
+        raise InvalidInputError(
+            "parameters.weight", "none without kv_c (a request over the latent cache)", "one"
+        )
     if at != binary_bytes:
         raise WireFormatError(
             "binary_data_size",
@@ -220,6 +251,8 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         kernel=params.get("kernel", "auto"),
         binary_bytes=binary_bytes,
         timeout=params.get("timeout"),
+        form=params.get("form", "auto"),
+        weight=params.get("weight"),
     )
 
 
@@ -238,7 +271,7 @@ def _input(raw: object, binary_at: int) -> InputSpec:
         )
     shape = check_shape(name, raw.get("shape"))
     if len(shape) != ndim:
-        layout = "[T, H, D]" if ndim == 3 else "[B + 1]"
+        layout = {3: "[T, H, D]", 2: "[Tk, D]"}.get(ndim, "[B + 1]")
         raise InvalidInputError(
             f"{name}.shape", f"{ndim} dimensions {layout}", str(list(shape))[:60]
         )

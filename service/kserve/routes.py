@@ -117,7 +117,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         )
         async def infer(request: Request, model: str, version: str = "") -> Response:
             """Ragged MLA prefill attention (docs/protocol.md), as the mla_prefill model."""
-            form = InferForm(request, model, version, state.system_shm, big_json)
+            form = InferForm(request, model, version, state, big_json)
             return await serve(state, HttpDoor(request), form)
 
     shm = "/v2/systemsharedmemory"

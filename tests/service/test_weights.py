@@ -14,9 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 import zen_mla
+from bench._server import free_port
+from tests.service.grpc_caller import grpc_inputs
 from tests.service.servers import busy_worker, serve, server_fixture
+from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla import wire
 from zen_mla.attention.latent import latent_attention
 from zen_mla.client import AsyncPrefillClient, PrefillClient
@@ -73,7 +79,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     tenants = tmp / "tenants"
     tenants.write_text("team-a token-a\nteam-b token-b\n")
     with serve(
-        tmp, workers=2, tenants_file=str(tenants), max_weights=3, max_weight_bytes=1 << 20
+        tmp,
+        workers=2,
+        tenants_file=str(tenants),
+        max_weights=3,
+        max_weight_bytes=1 << 20,
+        grpc_port=free_port(),
     ) as s:
         yield s
 
@@ -264,3 +275,45 @@ def test_the_clients_register_once_call_and_register_again_where_the_service_for
     asyncio.run(over_asyncio())
     with server.client() as c:
         assert "client-w" not in [e["name"] for e in c.get("/weights", headers=B).json()]
+
+
+def test_the_v2_routes_take_the_latent_and_name_the_weight(server):
+    """KServe v2 over HTTP and gRPC (tritonclient): inputs kv_c and k_pe in place of k and v,
+    the `weight` parameter naming a registered one, `form` passed on; answers equal to
+    in-process `latent_attention`; a latent request with no weight refused naming it."""
+    w, x = _weight(seed=6), _latent([9, 33], [70, 33])
+    want, want_lse = latent_attention(
+        x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
+        return_lse=True, form="absorb",
+    )  # fmt: skip
+    params = {"weight": "v2-w", "form": "absorb", "return_lse": True}
+
+    def token() -> dict[str, str]:  # tritonclient.http writes its own headers into the dict
+        return {"authorization": "Bearer token-a"}
+
+    with server.client() as c:
+        assert _register(c, "v2-w", w, A).status_code == 200
+        try:
+            with triton_http.InferenceServerClient(server.url.removeprefix("http://")) as v2:
+                inputs = []
+                for name, t in x.items():
+                    a = to_numpy(t)
+                    i = triton_http.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+                    i.set_data_from_numpy(a, binary_data=True)
+                    inputs.append(i)
+                got = v2.infer("mla_prefill", inputs, parameters=params, headers=token())
+                out, lse = to_torch(got.as_numpy("out")), to_torch(got.as_numpy("lse"))
+                assert (out.float() - want.float()).abs().max().item() <= 2**-6
+                assert (lse - want_lse).abs().max().item() <= 1e-4
+                with pytest.raises(InferenceServerException, match=r"parameters\.weight"):
+                    v2.infer("mla_prefill", inputs, parameters={"form": "expand"}, headers=token())
+            with triton_grpc.InferenceServerClient(server.grpc_target) as g:
+                got = g.infer("mla_prefill", grpc_inputs(x), parameters=params, headers=token())
+                out, lse = to_torch(got.as_numpy("out")), to_torch(got.as_numpy("lse"))
+                assert (out.float() - want.float()).abs().max().item() <= 2**-6
+                assert (lse - want_lse).abs().max().item() <= 1e-4
+                with pytest.raises(InferenceServerException, match="no weight named 'other'"):
+                    other = params | {"weight": "other"}
+                    g.infer("mla_prefill", grpc_inputs(x), parameters=other, headers=token())
+        finally:
+            assert c.delete("/weights/v2-w", headers=A).status_code == 204

@@ -109,7 +109,9 @@ def test_health_and_metadata(client):
     assert "system_shared_memory" in meta.extensions
     model = client.get_model_metadata(MODEL)
     assert model.name == MODEL and list(model.versions) == ["1"]
-    assert [i.name for i in model.inputs] == ["q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"]
+    assert [i.name for i in model.inputs] == [
+        "q", "k", "v", "kv_c", "k_pe", "q_cu_seq_lens", "kv_cu_seq_lens"
+    ]  # fmt: skip
     assert [(o.name, o.datatype) for o in model.outputs] == [("out", "BF16"), ("lse", "FP32")]
     _refused(lambda: client.get_model_metadata("nope"), "NOT_FOUND", "no model named 'nope'")
     _refused(lambda: client.is_model_ready(MODEL, "2"), "NOT_FOUND", "version 1 only")

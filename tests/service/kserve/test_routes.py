@@ -178,7 +178,9 @@ def test_model_metadata(client, version):
     meta = client.get_model_metadata(MODEL, version)
     assert meta["name"] == MODEL and meta["versions"] == ["1"] and meta["platform"] == "zen-mla"
     inputs = {i["name"]: i for i in meta["inputs"]}
-    assert list(inputs) == ["q", "k", "v", "q_cu_seq_lens", "kv_cu_seq_lens"]
+    assert list(inputs) == ["q", "k", "v", "kv_c", "k_pe", "q_cu_seq_lens", "kv_cu_seq_lens"]
+    for name in ("kv_c", "k_pe"):  # over the latent cache, in place of k and v
+        assert inputs[name]["shape"] == [-1, -1] and inputs[name]["parameters"]["optional"]
     for name in ("q", "k", "v"):
         assert inputs[name]["datatype"] == "BF16" and inputs[name]["shape"] == [-1, -1, -1]
         assert inputs[name]["parameters"]["datatypes"] == ["BF16", "FP16", "FP32"]
