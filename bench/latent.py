@@ -17,7 +17,7 @@ pages. Writes bench/out/latent.png.
 `--crossover` calibrates "auto" on this host instead: paired medians of the two forms forced and
 of auto over a sweep of M (default 16 to 4096), auto's time over the better form's, and the
 crossover measured (the least M of the sweep from which expanding is faster at every larger M)
-beside the one auto takes here (`CROSSOVER`, or `CROSSOVER_FP32` without bf16 products).
+beside the one auto takes (latent.py's rule at this context).
 """
 
 from __future__ import annotations
@@ -44,19 +44,16 @@ import _common as c
 from kernel import cpu_line
 
 import zen_mla
+from zen_mla.attention import latent
 from zen_mla.attention.batch import visible_pairs
-from zen_mla.attention.latent import (
-    CROSSOVER,
-    CROSSOVER_FP32,
-    Form,
-    bf16_unavailable,
-    latent_attention,
-)
+from zen_mla.attention.latent import Form, bf16_unavailable, latent_attention
 
 H, RANK, ROPE, NOPE, DV = 16, 512, 64, 128, 128
 DQK = NOPE + ROPE
 BASELINE = "expand all + ragged_attention"
-METHODS = ("expand", "absorb", "auto", BASELINE)
+#: auto with its LSE (bf16 products take the LSE's rounding move off: more work for expand)
+AUTO_LSE = "auto, return_lse"
+METHODS = ("expand", "absorb", "auto", AUTO_LSE, BASELINE)
 #: the M of `--crossover`'s sweep unless --new names others
 SWEEP = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 1024, 2048, 4096)
 
@@ -66,10 +63,11 @@ SWEEP = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 1024, 2048, 4096)
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
-def auto_crossover() -> int:
-    """The M from which auto expands bf16 inputs here: `CROSSOVER` with bf16 products,
-    `CROSSOVER_FP32` where this host takes fp32 ones."""
-    return CROSSOVER if bf16_unavailable() is None else CROSSOVER_FP32
+def auto_crossover(context: int) -> int:
+    """The least M from which auto expands a sequence of `context` cached tokens and M new here
+    (latent.py's rule, with the products this host takes for bf16 inputs)."""
+    bf16 = bf16_unavailable() is None
+    return next(m for m in range(1, 1 << 20) if not latent._absorbs(m, context + m, True, bf16))
 
 
 def make_inputs(context: int, new: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -107,24 +105,22 @@ def expand_all(x: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def method(name: str, x: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+def method(name: str, x: dict[str, torch.Tensor]) -> Callable[[], object]:
     if name == BASELINE:
         return lambda: expand_all(x)
+    if name == AUTO_LSE:
+        return lambda: _latent(x, "auto", return_lse=True)
     form = cast(Form, name)
     return lambda: _latent(x, form)
 
 
-def _latent(x: dict[str, torch.Tensor], form: Form) -> torch.Tensor:
-    return latent_attention(
-        x["q"],
-        x["kv_c"],
-        x["k_pe"],
-        x["w_kv_b"],
-        x["q_cu_seq_lens"],
-        x["kv_cu_seq_lens"],
-        causal=True,
-        form=form,
-    )
+def _latent(
+    x: dict[str, torch.Tensor], form: Form, *, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    args = (x["q"], x["kv_c"], x["k_pe"], x["w_kv_b"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
+    if return_lse:
+        return latent_attention(*args, causal=True, form=form, return_lse=True)
+    return latent_attention(*args, causal=True, form=form)
 
 
 def model_flops(name: str, context: int, new: int) -> float:
@@ -133,7 +129,11 @@ def model_flops(name: str, context: int, new: int) -> float:
     tk = context + new
     pairs = visible_pairs(new, tk, causal=True)
     form = (
-        name if name in ("expand", "absorb") else "absorb" if new < auto_crossover() else "expand"
+        name
+        if name in ("expand", "absorb")
+        else "absorb"
+        if new < auto_crossover(context)
+        else "expand"
     )
     if name == BASELINE or form == "expand":
         return H * (2.0 * tk * RANK * (NOPE + DV) + 2.0 * pairs * (DQK + DV))
@@ -163,7 +163,8 @@ def agreement(x: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each form's largest difference from the baseline's out (both bf16)."""
     base = expand_all(x).float()
     return {
-        form: float((_latent(x, form).float() - base).abs().max()) for form in ("expand", "absorb")
+        form: float((cast(torch.Tensor, _latent(x, form)).float() - base).abs().max())
+        for form in ("expand", "absorb")
     }
 
 
@@ -262,7 +263,7 @@ def crossover(context: int, news: list[int], reps: int) -> None:
     measured = next(
         (m for m in news if all(faster[n] for n in news if n >= m)), max(news, default=0) + 1
     )
-    print(f"\ncrossover measured here: M = {measured}; auto's here: {auto_crossover()}")
+    print(f"\ncrossover measured here: M = {measured}; auto's: {auto_crossover(context)}")
 
 
 def main() -> None:
@@ -289,7 +290,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}; the baseline's ragged kernel (auto): "
         f"{status['auto']['out']['kernel']}; latent_attention's products: "
-        f"{'fp32 (' + why + ')' if why else 'bf16'}; auto absorbs below M = {auto_crossover()}"
+        f"{'fp32 (' + why + ')' if why else 'bf16'}; auto absorbs below M = "
+        f"{auto_crossover(args.context)} at this context"
     )
     if args.crossover:
         crossover(args.context, news, args.reps)

@@ -21,8 +21,10 @@ Products, `precision`:
             kernel, the blocks' results merged by their LSEs; absorb folds W_k into the queries
             in bf16 and hands every head's folded queries, as the rows of one head, to the
             native kernel against [kv_c, k_pe]. The rounding of k_nope (or of the folded query)
-            to bf16 moves the LSE by up to ~1e-3 at DeepSeek's dims (the baseline's own error),
-            not ~1e-6.
+            to bf16 moves the LSE by up to ~3e-3 (the baseline's own error); where the LSE is
+            asked, that move is taken off to first order (~1e-5 left): the rounding's residual
+            rides beside v as Dn more value columns (expand; one more bf16 matmul, and the
+            kernel's value work doubled) or is dotted with the kernel's latent out (absorb).
     fp32    everything else, or `precision="fp32"`: every product in fp32 on fp32 copies of the
             blocks, a flash loop in torch (a bf16 `torch.matmul` is a scalar loop on CPUs
             without bf16 arithmetic: 0.3 GFLOP/s on an EPYC Zen 3).
@@ -274,8 +276,8 @@ def latent_attention(
             fewer than `CROSSOVER`, less on a short context (bf16 products; `CROSSOVER_FP32`
             with fp32 ones), expand otherwise (a batch may use both).
         precision: "auto", bf16 products for bf16 inputs where `bf16_unavailable()` is None
-            (their LSE within ~1e-3 of fp64 rather than ~1e-6: the module's docstring), fp32
-            products otherwise; or "fp32", fp32 products always.
+            (the module's docstring: out within bf16's rounding, the LSE within ~1e-5 of fp64),
+            fp32 products otherwise; or "fp32", fp32 products always.
 
     Returns:
         out `[Tq, H, Dv]` in q's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).
@@ -306,7 +308,7 @@ def latent_attention(
     batch = validate_latent(
         q, kv_c, k_pe, w_kv_b, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale
     )
-    out, lse = _attend(batch, form, precision)
+    out, lse = _attend(batch, form, precision, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -336,7 +338,7 @@ def _bf16_unavailable() -> str | None:
 
 
 def _attend(
-    batch: LatentBatch, form: Form, precision: Precision
+    batch: LatentBatch, form: Form, precision: Precision, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tq, h = batch.q.shape[:2]
     out = torch.empty(tq, h, batch.v_head_dim, dtype=batch.q.dtype)
@@ -365,22 +367,32 @@ def _attend(
             continue
         keys = slice(kc[r], kc[r + 1])
         absorb = form == "absorb" or (form == "auto" and _absorbs(sq, sk, batch.causal, bf16))
+        rows = slice(start, qc[r + 1])
         if bf16:
-            attend = _absorb_bf16 if absorb else _expand_bf16
-            w = weights.bf16
+            fast = _absorb_bf16 if absorb else _expand_bf16
+            fast(
+                batch.q[rows],
+                batch.kv_c[keys],
+                batch.k_pe[keys],
+                weights.bf16,
+                batch.causal,
+                batch.scale,
+                out[rows],
+                lse[:, rows],
+                return_lse,
+            )
         else:
             attend = _absorb if absorb else _expand
-            w = weights.fp32
-        attend(
-            batch.q[start : qc[r + 1]],
-            batch.kv_c[keys],
-            batch.k_pe[keys],
-            w,
-            batch.causal,
-            batch.scale,
-            out[start : qc[r + 1]],
-            lse[:, start : qc[r + 1]],
-        )
+            attend(
+                batch.q[rows],
+                batch.kv_c[keys],
+                batch.k_pe[keys],
+                weights.fp32,
+                batch.causal,
+                batch.scale,
+                out[rows],
+                lse[:, rows],
+            )
     return out, lse
 
 
@@ -615,11 +627,19 @@ def _expand_bf16(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    exact_lse: bool = True,
 ) -> None:
     """One sequence by the expand form in bf16 products: per key block, k = [k_nope, k_pe] and
     v of every head made from the latent in one bf16 matmul (fp32 sums, rounded to bf16 as
     vLLM's expansion rounds them), then the native kernel over all the sequence's queries and
     that block, with its LSE; the blocks' results merged by their LSEs in fp32.
+
+    `exact_lse`: k_nope's rounding moves a score by `scale q_nope . dk` (dk = k_nope - bf16(k_nope),
+    ~2^-9 of k_nope) and the LSE by the scores' moves weighted by the softmax, to first order:
+    dk (one more bf16 matmul, its fp32 sums less the rounded k_nope, rounded) rides beside v as
+    Dn more value columns, and `scale q_nope . (softmax-weighted dk)` is added to the LSE
+    (what is left, half the moves' variance under the softmax, ~1e-6). Without, the LSE is the
+    rounded keys' (out is the same either way).
 
     q `[S, H, Dqk]`, kv_c `[Sk, R]`, k_pe `[Sk, P]`, w `[H, Dn + Dv, R]` bf16, out
     `[S, H, Dv]`, lse `[H, S]`; causal with `S <= Sk` (every query sees a key)."""
@@ -627,31 +647,52 @@ def _expand_bf16(
     sk, rank = kv_c.shape
     nope = dqk - k_pe.shape[1]
     dv = w.shape[1] - nope
+    exact_lse = exact_lse and nope > 0
     w_t = w.reshape(h * (nope + dv), rank).t()
+    # W_k's rows of every head, one matrix (the residual's)
+    w_k_t = w[:, :nope].reshape(h * nope, rank).t() if exact_lse else w_t
+    width = dv + nope if exact_lse else dv  # the kernel's value columns
+    # the blocks of k and v alone (dk not counted): out the same with the LSE or without
     edges = _key_edges(sk, s, _native_block(s, h, dqk, dv), causal)
+    direct = len(edges) == 2 and not exact_lse  # one block: straight into the results
     acc = m = part = part_lse = None
     for k0, k1 in itertools.pairwise(edges):
         n = k1 - k0
-        kv = torch.mm(kv_c[k0:k1], w_t).view(n, h, nope + dv)
+        x = kv_c[k0:k1]
+        kv = torch.mm(x, w_t).view(n, h, nope + dv)
         k = torch.empty(n, h, dqk, dtype=q.dtype)
         k[..., :nope] = kv[..., :nope]
         k[..., nope:] = k_pe[k0:k1, None]
-        v = kv[..., nope:]
+        if exact_lse:
+            # x W_k^T - bf16(x W_k^T), the subtraction within the matmul's fp32 sums
+            rounded = kv[..., :nope].reshape(n, h * nope)
+            dk = torch.addmm(rounded, x, w_k_t, beta=-1).view(n, h, nope)
+            v = torch.empty(n, h, width, dtype=q.dtype)
+            v[..., :dv] = kv[..., nope:]
+            v[..., dv:] = dk
+            del rounded, dk
+        else:
+            v = kv[..., nope:]
         block_causal = causal and k1 - 1 > sk - s
-        if len(edges) == 2:  # one block: straight into the results
+        if direct:
             _native(q, k, v, [0, s], [0, n], scale, block_causal, out, lse)
             return
         if part is None or part_lse is None:
-            part = torch.empty(s, h, dv, dtype=q.dtype)
+            part = torch.empty(s, h, width, dtype=q.dtype)
             part_lse = torch.empty(h, s, dtype=torch.float32)
         _native(q, k, v, [0, s], [0, n], scale, block_causal, part, part_lse)
         del kv, k, v
-        if acc is None or m is None:
+        if len(edges) == 2:
+            acc, m = part, part_lse
+        elif acc is None or m is None:
             acc, m = part.to(torch.float32), part_lse.clone()
         else:
             _merge_into(acc, m, part, part_lse)
     assert acc is not None and m is not None
-    out.copy_(acc)
+    out.copy_(acc[..., :dv])
+    if exact_lse:
+        shift = torch.einsum("shd,shd->hs", q[..., :nope].float(), acc[..., dv:].float())
+        m = m.add(shift, alpha=scale)
     lse.copy_(m)
 
 
@@ -679,13 +720,19 @@ def _absorb_bf16(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    exact_lse: bool = True,
 ) -> None:
     """One sequence by the absorb form in bf16 products: the queries of every head folded
     (`[q_nope W_k, q_pe]`, one bf16 bmm, rounded to bf16) and taken as the rows of a one-head
     problem against the latent key `[kv_c, k_pe]`, values `kv_c`, in the native kernel:
     `ABSORB_ROWS` rows a call, the keys every row of the block sees at once, and causal, the
     block's own diagonal as one sequence a head against its keys repeated; parts merged by
-    their LSEs in fp32, then unfolded through W_v (one bf16 bmm). Shapes as `_expand_bf16`'s."""
+    their LSEs in fp32, then unfolded through W_v (one bf16 bmm). Shapes as `_expand_bf16`'s.
+
+    `exact_lse`: the folded query's rounding dq (one more bf16 bmm, its fp32 sums less the
+    rounded query) moves a score by `scale dq . kv_c`, the LSE by `scale dq . o_lat` (o_lat the
+    kernel's out, the softmax-weighted kv_c) to first order, which is added to it: as
+    `_expand_bf16`'s, at the cost of a dot product a row."""
     s, h, dqk = q.shape
     sk, rank = kv_c.shape
     rope = k_pe.shape[1]
@@ -699,9 +746,14 @@ def _absorb_bf16(
     for a in range(0, s, rows):
         b = min(s, a + rows)
         n = b - a
+        q_nope = q[a:b, :, :nope].transpose(0, 1)
+        folded = torch.bmm(q_nope, w_k)
         q_lat = torch.empty(h, n, width, dtype=q.dtype)
-        q_lat[..., :rank] = torch.bmm(q[a:b, :, :nope].transpose(0, 1), w_k)
+        q_lat[..., :rank] = folded
         q_lat[..., rank:] = q[a:b, :, nope:].transpose(0, 1)
+        # q_nope W_k - bf16(q_nope W_k), the subtraction within the bmm's fp32 sums
+        dq = torch.baddbmm(folded, q_nope, w_k, beta=-1) if exact_lse and nope else None
+        del folded
         q_rows = q_lat.view(h * n, 1, width)
         # keys [0, c): every query of the block sees them all
         c = a + off + 1 if causal else sk
@@ -723,6 +775,9 @@ def _absorb_bf16(
             acc = o.to(torch.float32)
             _merge_into(acc, o_lse, o2, o2_lse)
             o = acc.to(q.dtype)
+        if dq is not None:
+            shift = torch.einsum("hnr,hnr->hn", dq.float(), o.view(h, n, rank).float())
+            o_lse = o_lse.view(h, n).add(shift, alpha=scale)
         # out^T = W_v o^T a head: the block's o transposed (H n R), not the weight (H R Dv)
         o_t = o.view(h, n, rank).transpose(1, 2).contiguous()
         out[a:b] = torch.bmm(w_v, o_t).permute(2, 0, 1)
