@@ -161,5 +161,7 @@ def test_the_plugin_says_the_prefill_is_computed_in_process(monkeypatch, vllm_re
         vllm.register()
     path = "zen_mla.vllm.ZenMLARemotePrefillBackend"
     assert vllm_registry.calls == [("ZEN_MLA", path), ("ZEN_CPU", path), ("CPU", path)]
+    # in process, CPU_MLA attends the cached context from the latent
+    assert vllm_registry.attention == [("CPU_MLA", vllm.plugin.CPU_MLA_PATH)]
     said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
     assert "zen-mla's kernels in this process (ZEN_MLA_KERNEL=torch)" in said[0], said

@@ -119,7 +119,14 @@ def test_in_process_every_call_runs_in_zen_mlas_kernel_and_agrees_with_vllm(
     tiny_model, monkeypatch, tmp_path, closing
 ):
     """`ZEN_MLA_URL=local`, nothing else: new tokens, then (the second pass of vLLM's
-    ExampleConnector) new tokens with LSE and a context chunk, per layer, all computed here."""
+    ExampleConnector) new tokens with LSE and a context chunk, per layer, all computed here;
+    the context attended from the latent (`cpu_mla`: vLLM never expands it), each layer's
+    answer compared with vLLM's own expanding path on the same tensors (whose chunk goes to
+    zen-mla's prefill backend, itself compared with vLLM's CPU backend)."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl
+
     monkeypatch.setenv("ZEN_MLA_URL", "local")
     zen_vllm.default_settings.cache_clear()
     connector = KVTransferConfig(
@@ -127,6 +134,18 @@ def test_in_process_every_call_runs_in_zen_mlas_kernel_and_agrees_with_vllm(
         kv_role="kv_both",
         kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
     )
+    latent = ZenCPUMLAImpl._compute_prefill_context
+    against_expanded: list[tuple[float, float]] = []
+
+    def compared(impl: Any, *args: Any) -> Any:
+        out, lse = latent(impl, *args)
+        want, want_lse = CPUMLAImpl._compute_prefill_context(impl, *args)  # vLLM expands
+        against_expanded.append(
+            (float((out - want).abs().max()), float((lse - want_lse).abs().max()))
+        )
+        return out, lse
+
+    monkeypatch.setattr(ZenCPUMLAImpl, "_compute_prefill_context", compared)
     try:
         llm = engine(tiny_model, kv_transfer_config=connector)
         closing.append(llm)
@@ -137,7 +156,10 @@ def test_in_process_every_call_runs_in_zen_mlas_kernel_and_agrees_with_vllm(
         after = zen_vllm.stats.snapshot()
     finally:
         zen_vllm.default_settings.cache_clear()
-    assert len(recording.of("context_chunk")) == LAYERS, recording.calls
+    assert len(against_expanded) == LAYERS and after.latent - before.latent == LAYERS
+    print(f"\nthe latent against vLLM's expansion, context chunks: {against_expanded}")
+    assert all(o <= OUT_ATOL and s <= LSE_ATOL for o, s in against_expanded)
+    assert len(recording.of("context_chunk")) == LAYERS, recording.calls  # the expanded ones
     assert len(recording.of("new_tokens")) == 2 * LAYERS
     assert (after.local - before.local, after.remote - before.remote) == (3 * LAYERS, 0)
     report("in process, new tokens", recording.worst("new_tokens"), 2 * LAYERS)

@@ -19,12 +19,15 @@ from ..envs import ZEN_MLA_URL
 from .backend import BACKEND_NAME
 from .settings import LocalSettings, default_settings
 
-__all__ = ["BACKEND_PATH", "VLLM_REGISTRY", "register"]
+__all__ = ["BACKEND_PATH", "CPU_MLA_PATH", "VLLM_REGISTRY", "register"]
 
 logger = logging.getLogger("zen_mla.vllm")
 
 VLLM_REGISTRY = "vllm.v1.attention.backends.mla.prefill.registry"
 BACKEND_PATH = "zen_mla.vllm.ZenMLARemotePrefillBackend"
+ATTENTION_REGISTRY = "vllm.v1.attention.backends.registry"
+#: CPU_MLA with its cached context attended from the latent (in process only)
+CPU_MLA_PATH = "zen_mla.vllm.cpu_mla.ZenCPUMLABackend"
 # what vLLM's CPU platform (vllm/platforms/cpu.py, get_mla_prefill_backend_cls) tries, in order
 CPU_PREFILL_ENTRIES = ("ZEN_CPU", "CPU")
 
@@ -68,6 +71,14 @@ def register() -> None:
         " and ".join(CPU_PREFILL_ENTRIES),
         BACKEND_PATH,
     )
+    if isinstance(settings, LocalSettings):
+        attention = importlib.import_module(ATTENTION_REGISTRY)
+        attention.register_backend(attention.AttentionBackendEnum.CPU_MLA, CPU_MLA_PATH)
+        logger.info(
+            "zen-mla: CPU_MLA's cached context is attended from the latent in this process "
+            "(%s): vLLM no longer expands it with kv_b_proj",
+            CPU_MLA_PATH,
+        )
     if _amx():
         logger.warning(
             "zen-mla: this CPU has AMX, where vLLM picks the AMX_MLA attention backend, whose "
