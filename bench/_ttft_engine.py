@@ -28,14 +28,23 @@ def prompt_ids(tokens: int, rep: int, vocab: int, column: str = "fresh") -> list
 
 
 class Timers:
-    """Seconds spent in the prefill backend's calls and in zen-mla's kernel during one
-    `generate`, by wrapping the methods vLLM calls (the engine runs in this process)."""
+    """Seconds spent in the prefill backend's calls, in zen-mla's kernel and in the cached
+    context's part of the prefill during one `generate`, by wrapping the methods vLLM calls
+    (the engine runs in this process)."""
 
     def __init__(self, row: str) -> None:
-        self.attention = self.kernel = 0.0
+        self.attention = self.kernel = self.context = 0.0
         self.calls = 0
         if row == "default" and not cpu_mla_is_default():
             return  # AMX_MLA's prefill calls no prefill backend
+        # the cached context's whole part (gather, expansion or the latent, its attention)
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        self._wrap_function(CPUMLAImpl, "_compute_prefill_context", "context")
+        if row == "local":
+            from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl
+
+            self._wrap_function(ZenCPUMLAImpl, "_compute_prefill_context", "context")
         if row in ("default", "cpu_mla"):
             from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
@@ -65,8 +74,13 @@ class Timers:
         setattr(owner, name, timed)
 
     def take(self) -> dict[str, float]:
-        got = {"attention": self.attention, "kernel": self.kernel, "calls": self.calls}
-        self.attention = self.kernel = 0.0
+        got = {
+            "attention": self.attention,
+            "kernel": self.kernel,
+            "context": self.context,
+            "calls": self.calls,
+        }
+        self.attention = self.kernel = self.context = 0.0
         self.calls = 0
         return got
 

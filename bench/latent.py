@@ -3,7 +3,7 @@ and absorb forms and auto) against what vLLM does today, expanding the whole con
 values with one fp32 matmul and handing them to `zen_mla.ragged_attention`.
 
     .venv/bin/python bench/latent.py [--reps 5] [--context 16384] [--new 64,256,2048]
-    .venv/bin/python bench/latent.py --crossover [--reps 5] [--context 16384] [--new 16,...]
+    .venv/bin/python bench/latent.py --crossover [--lse] [--reps 5] [--context 16384] [--new 16,...]
 
 One sequence per call: `--context` cached tokens then M new ones (causal, keys Tk = context + M),
 DeepSeek-V3's dims (16 heads, kv_lora_rank 512, rope 64, Dqk 192, Dv 128), bf16 inputs. Prints
@@ -28,6 +28,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -63,11 +64,13 @@ SWEEP = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 1024, 2048, 4096)
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
-def auto_crossover(context: int) -> int:
+def auto_crossover(context: int, return_lse: bool = False) -> int:
     """The least M from which auto expands a sequence of `context` cached tokens and M new here
     (latent.py's rule, with the products this host takes for bf16 inputs)."""
     bf16 = bf16_unavailable() is None
-    return next(m for m in range(1, 1 << 20) if not latent._absorbs(m, context + m, True, bf16))
+    return next(
+        m for m in range(1, 1 << 20) if not latent._absorbs(m, context + m, True, bf16, return_lse)
+    )
 
 
 def make_inputs(context: int, new: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -236,14 +239,17 @@ def plot(results: dict[int, dict[str, float]], path: Path) -> bool:
     return True
 
 
-def crossover(context: int, news: list[int], reps: int) -> None:
-    """`--crossover`: the two forms forced and auto, paired, over a sweep of M; the crossover
-    measured and the module's."""
+def crossover(context: int, news: list[int], reps: int, return_lse: bool) -> None:
+    """`--crossover`: the two forms forced and auto, paired, over a sweep of M, with the LSE
+    asked or not; the crossover measured and the module's."""
     rows, faster = [], {}
     for new in news:
         x = make_inputs(context, new)
         forms: tuple[Form, ...] = ("expand", "absorb", "auto")
-        med = c.paired_medians({form: method(form, x) for form in forms}, reps)
+        calls: dict[str, Callable[[], object]] = {
+            form: functools.partial(_latent, x, form, return_lse=return_lse) for form in forms
+        }
+        med = c.paired_medians(calls, reps)
         best = min(med["expand"], med["absorb"])
         faster[new] = med["expand"] < med["absorb"]
         rows.append(
@@ -255,7 +261,7 @@ def crossover(context: int, news: list[int], reps: int) -> None:
         del x
     print(
         f"\nPaired medians of {reps} reps, {context} cached tokens + M new, H={H}, bf16, "
-        f"{torch.get_num_threads()} threads\n"
+        f"{torch.get_num_threads()} threads, the LSE {'asked' if return_lse else 'not asked'}\n"
     )
     header = ["M", "expand ms", "absorb ms", "auto ms", "absorb / expand", "auto / better"]
     print(c.table(header, rows))
@@ -263,7 +269,9 @@ def crossover(context: int, news: list[int], reps: int) -> None:
     measured = next(
         (m for m in news if all(faster[n] for n in news if n >= m)), max(news, default=0) + 1
     )
-    print(f"\ncrossover measured here: M = {measured}; auto's: {auto_crossover(context)}")
+    print(
+        f"\ncrossover measured here: M = {measured}; auto's: {auto_crossover(context, return_lse)}"
+    )
 
 
 def main() -> None:
@@ -277,6 +285,7 @@ def main() -> None:
         action="store_true",
         help="calibrate auto: the forms over a sweep of M (--new, default 16 to 4096)",
     )
+    parser.add_argument("--lse", action="store_true", help="--crossover with the LSE asked")
     parser.add_argument("--memory-of", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     default = ",".join(map(str, SWEEP)) if args.crossover else "64,256,2048"
@@ -294,7 +303,7 @@ def main() -> None:
         f"{auto_crossover(args.context)} at this context"
     )
     if args.crossover:
-        crossover(args.context, news, args.reps)
+        crossover(args.context, news, args.reps, args.lse)
         return
     print(f"\nOne sequence: {args.context} cached tokens + M new, causal, H={H}, bf16\n")
     print(

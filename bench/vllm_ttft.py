@@ -2,7 +2,7 @@
 in process and as a service, on a random DeepSeek-V2-style model of real MLA attention dims.
 
     .venv/bin/python bench/vllm_ttft.py [--prompts 2048,8192,16384] [--cached 16384] [--reps 3]
-        [--heads 16] [--layers 2] [--rows default,cpu_mla,local,service,service_own]
+        [--heads 16] [--layers 2] [--rows default,cpu_mla,local,local_expanded,service,service_own]
         [--service-cpus half] [--cpu-mla-max 8192]
 
 Each row is an engine of its own (vLLM's `LLM`, bf16, eager, one sequence at a time) in a
@@ -13,7 +13,10 @@ process of its own under .venv-vllm's Python (made by scripts/vllm-venv when mis
   on Zen).
 - `cpu_mla`: CPU_MLA with vLLM's own prefill backend (ZEN_CPU on Zen with zentorch, else
   CPU_SDPA). Prompts past `--cpu-mla-max` are not run (its fp32 path takes minutes there).
-- `local`: CPU_MLA, its prefill in zen-mla's kernels in the engine's process (`ZEN_MLA_URL=local`).
+- `local`: CPU_MLA, its prefill in zen-mla's kernels in the engine's process (`ZEN_MLA_URL=local`),
+  cached context attended from the latent (`zen_mla/vllm/cpu_mla.py`).
+- `local_expanded`: the same with `ZEN_MLA_LATENT=0`: vLLM expands the cached context with
+  `kv_b_proj` and hands it to zen-mla's prefill backend.
 - `service`: CPU_MLA, its prefill sent to `zen-mla serve` on the same CPUs (same-host regions).
 - `service_own`: the same, the service on `--service-cpus` and the engine on the others.
 
@@ -46,7 +49,7 @@ import _common as c
 from _server import ROOT, start_server
 from _ttft_engine import cpu_mla_is_default
 
-ROWS = ("default", "cpu_mla", "local", "service", "service_own")
+ROWS = ("default", "cpu_mla", "local", "local_expanded", "service", "service_own")
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # one row's engine: _ttft_engine.py (.venv-vllm's Python), arguments row, model, longest, cached
 ENGINE = "import sys, _ttft_engine; _ttft_engine.main(*sys.argv[1:])"
@@ -182,6 +185,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                     "ttft": statistics.median(m["ttft"] for m in ms),
                     "attention": statistics.median(m["attention"] for m in ms),
                     "kernel": statistics.median(m["kernel"] for m in ms),
+                    "context": statistics.median(m.get("context", 0.0) for m in ms),
                     "calls": ms[0]["calls"],
                     "vs_local": _paired_ratio(ms, results.get("local", []))
                     if row != "local"
@@ -231,7 +235,8 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
     print(c.table(header, rows))
     print(
         "\nWhere the time goes (median seconds): attention = the prefill backend's calls; "
-        "kernel = zen-mla's kernel in them; rest = the rest of the engine's step. First tokens "
+        "kernel = zen-mla's kernel in them; context = the cached context's part (gather, "
+        "expansion or latent, attention); rest = the rest of the engine's step. First tokens "
         "against the cpu_mla row's (the same engine, vLLM's own prefill) and the default row's"
     )
     detail = [
@@ -241,6 +246,7 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
             f"{x['ttft']:.2f}",
             f"{x['attention']:.2f}",
             f"{x['kernel']:.2f}",
+            f"{x['context']:.2f}",
             f"{x['ttft'] - x['attention']:.2f}",
             str(x["calls"]),
             x["vs_cpu_mla"],
@@ -256,6 +262,7 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
                 "ttft",
                 "attention",
                 "kernel",
+                "context",
                 "rest",
                 "calls",
                 "1st token = cpu_mla's, max |dlogprob|",
@@ -338,8 +345,9 @@ def main() -> None:
             if row == "cpu_mla" and cpu_mla_is_default() and "default" in args.rows:
                 continue  # the default row is CPU_MLA with its own prefill already
             env, cpus = {}, everything
-            if row == "local":
+            if row in ("local", "local_expanded"):
                 env = {"ZEN_MLA_URL": "local", "ZEN_MLA_KERNEL": args.kernel}
+                env["ZEN_MLA_LATENT"] = "0" if row == "local_expanded" else "1"
             elif row in ("service", "service_own"):
                 proc, url = start_server(
                     "httptools", cpus=everything if row == "service" else service_cpus

@@ -32,6 +32,7 @@ __all__ = [
     "ZEN_MLA_CALIBRATE",
     "ZEN_MLA_FALLBACK",
     "ZEN_MLA_KERNEL",
+    "ZEN_MLA_LATENT",
     "ZEN_MLA_NATIVE_ISA",
     "ZEN_MLA_URL",
     "Variable",
@@ -160,6 +161,14 @@ ZEN_MLA_FALLBACK: Variable[bool] = Variable(
     "the vLLM backend computes a call in its own process when the service gives no answer; "
     "`0`: every failure raises",
 )
+ZEN_MLA_LATENT: Variable[bool] = Variable(
+    "ZEN_MLA_LATENT",
+    True,
+    _switch,
+    "`1`",
+    "with `ZEN_MLA_URL=local`, vLLM's CPU_MLA attends cached context from the latent "
+    "(`kv_c`, `k_pe` and `kv_b_proj`), never expanding it; `0`: vLLM expands it as it does",
+)
 ZEN_MLA_KERNEL: Variable[str] = Variable(
     "ZEN_MLA_KERNEL",
     "auto",
@@ -199,6 +208,7 @@ VARIABLES: dict[str, Variable[object]] = {
         ZEN_MLA_URL,
         ZEN_MLA_API_TOKEN,
         ZEN_MLA_FALLBACK,
+        ZEN_MLA_LATENT,
         ZEN_MLA_KERNEL,
         ZEN_MLA_CALIBRATE,
         ZEN_MLA_CACHE_DIR,

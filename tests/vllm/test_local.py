@@ -165,3 +165,11 @@ def test_the_plugin_says_the_prefill_is_computed_in_process(monkeypatch, vllm_re
     assert vllm_registry.attention == [("CPU_MLA", vllm.plugin.CPU_MLA_PATH)]
     said = [r.getMessage() for r in caplog.records if r.name == "zen_mla.vllm"]
     assert "zen-mla's kernels in this process (ZEN_MLA_KERNEL=torch)" in said[0], said
+
+
+def test_zen_mla_latent_0_leaves_vllms_expansion_as_it_is(monkeypatch, vllm_registry):
+    monkeypatch.setenv("ZEN_MLA_URL", "local")
+    monkeypatch.setenv("ZEN_MLA_LATENT", "0")
+    vllm.register()
+    assert vllm_registry.attention == []
+    assert len(vllm_registry.calls) == 3  # the prefill backends still zen-mla's

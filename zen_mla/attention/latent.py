@@ -48,6 +48,7 @@ __all__ = [
     "ABSORB_ROWS",
     "CROSSOVER",
     "CROSSOVER_FP32",
+    "CROSSOVER_LSE",
     "FORMS",
     "KEY_BLOCK",
     "NATIVE_BLOCK_BYTES",
@@ -78,6 +79,11 @@ PRECISIONS: tuple[Precision, ...] = ("auto", "fp32")
 #: 1.07 with a busy neighbour); the forms meet near M = 150 at 2k, 110 at 1k, 80 at 512, 55 at
 #: 256, 20-30 at 128, and absorbing is 3x slower at every M without context
 CROSSOVER = 186
+
+#: `CROSSOVER` where the LSE is asked: expanding then makes k_nope's rounding residual too (one
+#: more bf16 matmul, half the first) for the LSE's correction, absorbing almost nothing more.
+#: CALIBRATED below
+CROSSOVER_LSE = 300
 
 #: the context (cached keys) at which "auto"'s crossover is half `CROSSOVER`: absorbing's causal
 #: diagonal (a sequence a head, the keys repeated) and fixed costs weigh more on short contexts
@@ -366,7 +372,9 @@ def _attend(
         if blind == sq:
             continue
         keys = slice(kc[r], kc[r + 1])
-        absorb = form == "absorb" or (form == "auto" and _absorbs(sq, sk, batch.causal, bf16))
+        absorb = form == "absorb" or (
+            form == "auto" and _absorbs(sq, sk, batch.causal, bf16, return_lse)
+        )
         rows = slice(start, qc[r + 1])
         if bf16:
             fast = _absorb_bf16 if absorb else _expand_bf16
@@ -396,14 +404,15 @@ def _attend(
     return out, lse
 
 
-def _absorbs(sq: int, sk: int, causal: bool, bf16: bool) -> bool:
+def _absorbs(sq: int, sk: int, causal: bool, bf16: bool, return_lse: bool) -> bool:
     """Whether "auto" absorbs a sequence of `sq` queries and `sk` keys: bf16 products, where
-    `sq` (C + `ABSORB_CONTEXT_KNEE`) < `CROSSOVER` C, C its cached keys (`sk - sq` causal, `sk`
-    not); fp32 ones, where `sq < CROSSOVER_FP32`."""
+    `sq` (C + `ABSORB_CONTEXT_KNEE`) < `CROSSOVER` C (`CROSSOVER_LSE` C with the LSE asked),
+    C its cached keys (`sk - sq` causal, `sk` not); fp32 ones, where `sq < CROSSOVER_FP32`."""
     if not bf16:
         return sq < CROSSOVER_FP32
     context = max(0, sk - sq) if causal else sk
-    return sq * (context + ABSORB_CONTEXT_KNEE) < CROSSOVER * context
+    crossover = CROSSOVER_LSE if return_lse else CROSSOVER
+    return sq * (context + ABSORB_CONTEXT_KNEE) < crossover * context
 
 
 class _Weights:

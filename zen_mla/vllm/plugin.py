@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from ..envs import ZEN_MLA_URL
+from ..envs import ZEN_MLA_LATENT, ZEN_MLA_URL
 from .backend import BACKEND_NAME
 from .settings import LocalSettings, default_settings
 
@@ -71,7 +71,7 @@ def register() -> None:
         " and ".join(CPU_PREFILL_ENTRIES),
         BACKEND_PATH,
     )
-    if isinstance(settings, LocalSettings):
+    if isinstance(settings, LocalSettings) and ZEN_MLA_LATENT.read():
         attention = importlib.import_module(ATTENTION_REGISTRY)
         attention.register_backend(attention.AttentionBackendEnum.CPU_MLA, CPU_MLA_PATH)
         logger.info(
