@@ -73,17 +73,20 @@ PRECISIONS: tuple[Precision, ...] = ("auto", "fp32")
 #: (`precision="auto"` on bf16 inputs where `bf16_unavailable()` is None), in the limit of a
 #: long context: a sequence of M new tokens after C cached ones (C = Sk - M causal, Sk not)
 #: absorbs where M < CROSSOVER x C / (C + `ABSORB_CONTEXT_KNEE`), 179 at a 16k context, 144 at
-#: 2k, 86 at 512, none at 0 (`engine.latent_work` takes M < CROSSOVER). Measured on an AMD
-#: EPYC Zen 5 (2 vCPUs, 16 heads, DeepSeek-V3's dims, paired medians, `bench/latent.py
-#: --crossover`): at 16k, absorb / expand 0.86 at M = 160, 1.02 at 192 (quiet host; 0.94 and
-#: 1.07 with a busy neighbour); the forms meet near M = 150 at 2k, 110 at 1k, 80 at 512, 55 at
-#: 256, 20-30 at 128, and absorbing is 3x slower at every M without context
+#: 2k, 86 at 512, none at 0 (`engine.latent_work` takes M < CROSSOVER), the LSE not asked
+#: (`CROSSOVER_LSE` where it is). Measured on an AMD EPYC Zen 5 (2 vCPUs, 16 heads,
+#: DeepSeek-V3's dims, paired medians, `bench/latent.py --crossover`): at 16k, absorb / expand
+#: 0.86 at M = 160, 1.02 at 192 (quiet host; 0.94 and 1.07 with a busy neighbour); the forms
+#: meet near M = 150 at 2k, 110 at 1k, 80 at 512, 55 at 256, 20-30 at 128, and absorbing is 3x
+#: slower at every M without context
 CROSSOVER = 186
 
 #: `CROSSOVER` where the LSE is asked: expanding then makes k_nope's rounding residual too (one
-#: more bf16 matmul, half the first) for the LSE's correction, absorbing almost nothing more.
-#: CALIBRATED below
-CROSSOVER_LSE = 300
+#: more bf16 matmul, half the first) for the LSE's correction, absorbing almost nothing more
+#: (309 at a 16k context). Measured as `CROSSOVER` (`--crossover --lse`, a busy neighbour): at
+#: 16k, absorb / expand 0.91 at M = 256, 1.03 at 320, 1.20 at 384; at 1k, 0.84 at 160, 1.01 at
+#: 224 (the rule: 201); at 0, absorbing 1.8-3.2x slower at M = 32..224
+CROSSOVER_LSE = 320
 
 #: the context (cached keys) at which "auto"'s crossover is half `CROSSOVER`: absorbing's causal
 #: diagonal (a sequence a head, the keys repeated) and fixed costs weigh more on short contexts
