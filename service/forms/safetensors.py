@@ -9,8 +9,6 @@ for the work and read in place from its own buffer."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from fastapi import Response
 
@@ -25,7 +23,7 @@ from ..problems import problem
 from ..settings import Settings
 from ..state import ServiceState
 from .base import Computed, Expect, Form, RequestRecord, Work
-from .weight import weights_of
+from .weight import lend_weight
 
 _TENSORS = wire.REQUEST_TENSORS | wire.LATENT_TENSORS
 
@@ -77,14 +75,10 @@ class SafetensorsForm(Form[Response]):
                 "the name of a registered w_kv_b beside kv_c (PUT /weights/{name})",
                 "none",
             )
-        weights = weights_of(self.state)
-        weight = weights.lease(self.caller, options.weight, "__metadata__.weight")
-        return Work(
-            tensors | {"w_kv_b": weight.tensor},
-            options,
-            inputs=[body, weight.buffer],
-            leases=(functools.partial(weights.give_back, weight),),
+        weight, lease = lend_weight(
+            self.state, self.caller, options.weight, "__metadata__.weight", tensors
         )
+        return Work(tensors, options, inputs=[body, weight], leases=(lease,))
 
     async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None

@@ -5,6 +5,9 @@ charge leave the request in one step (`Held.hand_out`). Nothing is computed."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from fastapi import Response
 from fastapi.responses import JSONResponse
@@ -21,7 +24,7 @@ from ..state import ServiceState, readiness
 from ..weights import Weight, Weights
 from .base import Computed, Expect, Form, RequestRecord
 
-__all__ = ["WEIGHT_TENSORS", "WeightForm", "weights_of"]
+__all__ = ["WEIGHT_TENSORS", "WeightForm", "lend_weight", "weights_of"]
 
 #: the tensors of a weight registration
 WEIGHT_TENSORS = frozenset({"w_kv_b"})
@@ -33,6 +36,22 @@ def weights_of(state: ServiceState) -> Weights:
     if state.weights is None:
         raise readiness(state).error(retry_after=5)
     return state.weights
+
+
+def lend_weight(
+    state: ServiceState,
+    caller: Caller | None,
+    name: str,
+    where: str,
+    tensors: dict[str, torch.Tensor],
+) -> tuple[SharedBuffer, Callable[[], None]]:
+    """The caller's weight `name` leased for one piece of work and added to `tensors` as
+    `w_kv_b`: the buffer it lies in (read there in place) and what gives the lease back
+    (NotFoundError naming `where` for a name the caller has not registered)."""
+    weights = weights_of(state)
+    weight = weights.lease(caller, name, where)
+    tensors["w_kv_b"] = weight.tensor
+    return weight.buffer, functools.partial(weights.give_back, weight)
 
 
 class WeightForm(Form[Response]):

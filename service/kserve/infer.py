@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import TypeVar
@@ -37,7 +36,7 @@ from ..answer import server_timing
 from ..body import SMALL_BYTES
 from ..doors import Door, byte_count
 from ..forms.base import Computed, Expect, Form, RequestRecord, Work
-from ..forms.weight import weights_of
+from ..forms.weight import lend_weight
 from ..settings import Settings
 from ..state import ServiceState
 from . import request as kr
@@ -104,10 +103,10 @@ class V2Form(Form[A]):
         `tensors` as `w_kv_b`; the buffer it lies in and the lease (none otherwise)."""
         if req.weight is None:
             return [], ()
-        weights = weights_of(self.state)
-        weight = weights.lease(self.caller, req.weight, "parameters.weight")
-        tensors["w_kv_b"] = weight.tensor
-        return [weight.buffer], (functools.partial(weights.give_back, weight),)
+        weight, lease = lend_weight(
+            self.state, self.caller, req.weight, "parameters.weight", tensors
+        )
+        return [weight], (lease,)
 
     def places(self, prepared: PrefillRequest) -> OutputPlaces | None:
         assert self.req is not None
