@@ -195,12 +195,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
             request_id=request_id, out=out,
         )  # fmt: skip
-        async with _async_call(pending.deadline):
-            await self._refresh(pending.deadline)
-            while True:
-                with pending.attempt() as ep:
-                    return await self._attempt(ep, pending)
-                await asyncio.sleep(pending.wait)
+        return await self._call(pending)
 
     def register_weight(self, name: str, w_kv_b: torch.Tensor) -> None:
         """As `PrefillClient.register_weight` (nothing is sent until a call needs it)."""
@@ -233,6 +228,10 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
             q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
         )  # fmt: skip
+        return await self._call(pending)
+
+    async def _call(self, pending: ClientRequest) -> PrefillOutput:
+        """As `PrefillClient._call`."""
         async with _async_call(pending.deadline):
             await self._refresh(pending.deadline)
             while True:

@@ -200,12 +200,7 @@ class PrefillClient(BaseClient[httpx.Client]):
             causal=causal, return_lse=return_lse, scale=scale, kernel=kernel,
             request_id=request_id, out=out,
         )  # fmt: skip
-        with call_deadline(pending.deadline):
-            self._refresh(pending.deadline)
-            while True:
-                with pending.attempt() as ep:
-                    return self._attempt(ep, pending)
-                time.sleep(pending.wait)
+        return self._call(pending)
 
     def register_weight(self, name: str, w_kv_b: torch.Tensor) -> None:
         """Keep `w_kv_b` (a layer's `kv_b_proj` weight, `[H * (Dn + Dv), R]`) as the weight
@@ -243,6 +238,10 @@ class PrefillClient(BaseClient[httpx.Client]):
             q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
             causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
         )  # fmt: skip
+        return self._call(pending)
+
+    def _call(self, pending: ClientRequest) -> PrefillOutput:
+        """`pending` to its answer: attempts on the endpoints, within its deadline."""
         with call_deadline(pending.deadline):
             self._refresh(pending.deadline)
             while True:
