@@ -185,6 +185,7 @@ BENCHES = (
     "vllm_ttft",
     "balance",
     "latent",
+    "latent_call",
 )
 DEFAULT_BENCHES = ("kernel", "pool", "e2e")
 
