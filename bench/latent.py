@@ -300,7 +300,8 @@ def main() -> None:
         f"torch {torch.__version__}; the baseline's ragged kernel (auto): "
         f"{status['auto']['out']['kernel']}; latent_attention's products: "
         f"{'fp32 (' + why + ')' if why else 'bf16'}; auto absorbs below M = "
-        f"{auto_crossover(args.context)} at this context"
+        f"{auto_crossover(args.context, args.lse)} at this context"
+        f"{' with the LSE' if args.lse else ''}"
     )
     if args.crossover:
         crossover(args.context, news, args.reps, args.lse)

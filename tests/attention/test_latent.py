@@ -263,15 +263,15 @@ def test_auto_takes_each_sequence_by_its_new_tokens(monkeypatch, dtype, precisio
 @needs_bf16_products
 def test_auto_expands_short_contexts(monkeypatch):
     """16 new tokens absorb after 2,000 cached ones, expand with none (absorbing is 3x slower
-    there), as do 400 new after 20,000 (past the crossover) and 150 after 500."""
+    there), as do 400 new after 20,000 (past the crossover) and 180 after 500."""
     took = _spy(monkeypatch, ("_expand_bf16", "_absorb_bf16"))
-    x = _inputs(Spec([16, 16, 400, 150], [2016, 16, 20400, 650]), SMALL, torch.bfloat16)
+    x = _inputs(Spec([16, 16, 400, 180], [2016, 16, 20400, 680]), SMALL, torch.bfloat16)
     out, lse = latent_attention(**x, return_lse=True)
     assert took == [
         ("_absorb_bf16", 16),
         ("_expand_bf16", 16),
         ("_expand_bf16", 400),
-        ("_expand_bf16", 150),
+        ("_expand_bf16", 180),
     ]
     _assert_close(x, out, lse, causal=True)
 

@@ -83,10 +83,11 @@ CROSSOVER = 186
 
 #: `CROSSOVER` where the LSE is asked: expanding then makes k_nope's rounding residual too (one
 #: more bf16 matmul, half the first) for the LSE's correction, absorbing almost nothing more
-#: (309 at a 16k context). Measured as `CROSSOVER` (`--crossover --lse`, a busy neighbour): at
-#: 16k, absorb / expand 0.91 at M = 256, 1.03 at 320, 1.20 at 384; at 1k, 0.84 at 160, 1.01 at
-#: 224 (the rule: 201); at 0, absorbing 1.8-3.2x slower at M = 32..224
-CROSSOVER_LSE = 320
+#: (340 at a 16k context). Measured as `CROSSOVER` (`--crossover --lse`, a busy neighbour): at
+#: 16k, absorb / expand 0.91 at M = 256, 1.03 at 320, 1.20 at 384, and in a second run 0.89 at
+#: 320, 1.04 at 384; at 1k, 0.84 at 160, 1.01 at 224 (the rule: 222); at 0, absorbing 1.8-3.2x
+#: slower at M = 32..224
+CROSSOVER_LSE = 352
 
 #: the context (cached keys) at which "auto"'s crossover is half `CROSSOVER`: absorbing's causal
 #: diagonal (a sequence a head, the keys repeated) and fixed costs weigh more on short contexts
@@ -303,12 +304,14 @@ def latent_attention(
     context, 256 new tokens and DeepSeek-V3's 16 heads, expanding.
 
     bf16 products: expand, one key block's k and v (8 to 32 MiB: `NATIVE_BLOCK_BYTES`) and the
-    kernel's packed copy, and where there are several blocks, a block's out (bf16) and the
-    running out `[Sq, H, Dv]` (fp32); absorb, [kv_c, k_pe] (a view where they are one cache
-    row, else a copy), the kernel's packed keys and values of the context, and per
+    kernel's packed copy (with the LSE, k_nope's residual beside v: Dn more value columns), and
+    where there are several blocks, a block's out (bf16) and the running out `[Sq, H, Dv]`
+    (`[Sq, H, Dv + Dn]` with the LSE; fp32); absorb, [kv_c, k_pe] (a view where they are one
+    cache row, else a copy), the kernel's packed keys and values of the context, and per
     `ABSORB_ROWS` rows their folded queries, out and causal diagonal's keys. Measured at a 16k
-    context and 16 heads (VmHWM, bench/latent.py): 23 / 40 / 89 MiB expanding 64 / 256 / 2048
-    new tokens, 65 / 87 / 137 MiB absorbing them.
+    context and 16 heads (VmHWM growth, bench/latent.py, an EPYC Zen 5): 12 / 22 / 97 MiB
+    expanding 64 / 256 / 2048 new tokens, 66 / 87 / 140 MiB absorbing them; auto with the LSE
+    67 / 99 / 183 MiB.
     """
     if form not in FORMS:
         raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(form))
