@@ -47,14 +47,16 @@ from kernel import cpu_line
 import zen_mla
 from zen_mla.attention import latent
 from zen_mla.attention.batch import visible_pairs
-from zen_mla.attention.latent import Form, bf16_unavailable, latent_attention
+from zen_mla.attention.latent import Form, Precision, bf16_unavailable, latent_attention
 
 H, RANK, ROPE, NOPE, DV = 16, 512, 64, 128, 128
 DQK = NOPE + ROPE
 BASELINE = "expand all + ragged_attention"
 #: auto with its LSE (bf16 products take the LSE's rounding move off: more work for expand)
 AUTO_LSE = "auto, return_lse"
-METHODS = ("expand", "absorb", "auto", AUTO_LSE, BASELINE)
+#: the same with precision="bf16": the LSE as bf16's rounding leaves it (the baseline's)
+AUTO_LSE_BF16 = "auto, return_lse, bf16"
+METHODS = ("expand", "absorb", "auto", AUTO_LSE, AUTO_LSE_BF16, BASELINE)
 #: the M of `--crossover`'s sweep unless --new names others
 SWEEP = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 1024, 2048, 4096)
 
@@ -113,17 +115,23 @@ def method(name: str, x: dict[str, torch.Tensor]) -> Callable[[], object]:
         return lambda: expand_all(x)
     if name == AUTO_LSE:
         return lambda: _latent(x, "auto", return_lse=True)
+    if name == AUTO_LSE_BF16:
+        return lambda: _latent(x, "auto", return_lse=True, precision="bf16")
     form = cast(Form, name)
     return lambda: _latent(x, form)
 
 
 def _latent(
-    x: dict[str, torch.Tensor], form: Form, *, return_lse: bool = False
+    x: dict[str, torch.Tensor],
+    form: Form,
+    *,
+    return_lse: bool = False,
+    precision: Precision = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     args = (x["q"], x["kv_c"], x["k_pe"], x["w_kv_b"], x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
     if return_lse:
-        return latent_attention(*args, causal=True, form=form, return_lse=True)
-    return latent_attention(*args, causal=True, form=form)
+        return latent_attention(*args, causal=True, form=form, return_lse=True, precision=precision)
+    return latent_attention(*args, causal=True, form=form, precision=precision)
 
 
 def model_flops(name: str, context: int, new: int) -> float:

@@ -25,6 +25,7 @@ Products, `precision`:
             asked, that move is taken off to first order (~1e-5 left): the rounding's residual
             rides beside v as Dn more value columns (expand; one more bf16 matmul, and the
             kernel's value work doubled) or is dotted with the kernel's latent out (absorb).
+            `precision="bf16"` leaves the move.
     fp32    everything else, or `precision="fp32"`: every product in fp32 on fp32 copies of the
             blocks, a flash loop in torch (a bf16 `torch.matmul` is a scalar loop on CPUs
             without bf16 arithmetic: 0.3 GFLOP/s on an EPYC Zen 3).
@@ -66,8 +67,8 @@ __all__ = [
 
 Form = Literal["expand", "absorb", "auto"]
 FORMS: tuple[Form, ...] = ("expand", "absorb", "auto")
-Precision = Literal["auto", "fp32"]
-PRECISIONS: tuple[Precision, ...] = ("auto", "fp32")
+Precision = Literal["auto", "bf16", "fp32"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "bf16", "fp32")
 
 #: new tokens of a sequence from which "auto" expands rather than absorbs, with bf16 products
 #: (`precision="auto"` on bf16 inputs where `bf16_unavailable()` is None), in the limit of a
@@ -287,7 +288,9 @@ def latent_attention(
             with fp32 ones), expand otherwise (a batch may use both).
         precision: "auto", bf16 products for bf16 inputs where `bf16_unavailable()` is None
             (the module's docstring: out within bf16's rounding, the LSE within ~1e-5 of fp64),
-            fp32 products otherwise; or "fp32", fp32 products always.
+            fp32 products otherwise; "bf16", the same but the LSE as bf16's rounding of k_nope
+            leaves it (within ~3e-3, as vLLM's expansion: an expanding call asked for its LSE
+            costs 1.5x less at 2048 new tokens); or "fp32", fp32 products always.
 
     Returns:
         out `[Tq, H, Dv]` in q's dtype, or `(out, lse)` with lse `[H, Tq]` fp32 (natural log).
@@ -316,7 +319,7 @@ def latent_attention(
     if form not in FORMS:
         raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(form))
     if precision not in PRECISIONS:
-        raise InvalidInputError("precision", '"auto" or "fp32"', repr(precision))
+        raise InvalidInputError("precision", '"auto", "bf16" or "fp32"', repr(precision))
     batch = validate_latent(
         q, kv_c, k_pe, w_kv_b, q_cu_seq_lens, kv_cu_seq_lens, causal=causal, scale=scale
     )
@@ -358,11 +361,13 @@ def _attend(
     lse = torch.empty(h, tq, dtype=torch.float32)
     nope, dv, rank = batch.qk_nope_dim, batch.v_head_dim, batch.kv_lora_rank
     bf16 = (
-        precision == "auto"
+        precision != "fp32"
         and batch.q.dtype == torch.bfloat16
         and batch.q.shape[0] > 0
         and bf16_unavailable() is None
     )
+    # bf16 products: the LSE's rounding move taken off where it is asked, "auto"
+    exact_lse = return_lse and precision == "auto"
     weights = _Weights(batch.w_kv_b.reshape(h, nope + dv, rank))
     qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
     for r in range(batch.num_seqs):
@@ -379,7 +384,7 @@ def _attend(
             continue
         keys = slice(kc[r], kc[r + 1])
         absorb = form == "absorb" or (
-            form == "auto" and _absorbs(sq, sk, batch.causal, bf16, return_lse)
+            form == "auto" and _absorbs(sq, sk, batch.causal, bf16, exact_lse)
         )
         rows = slice(start, qc[r + 1])
         if bf16:
@@ -393,7 +398,7 @@ def _attend(
                 batch.scale,
                 out[rows],
                 lse[:, rows],
-                return_lse,
+                exact_lse,
             )
         else:
             attend = _absorb if absorb else _expand
@@ -410,14 +415,14 @@ def _attend(
     return out, lse
 
 
-def _absorbs(sq: int, sk: int, causal: bool, bf16: bool, return_lse: bool) -> bool:
+def _absorbs(sq: int, sk: int, causal: bool, bf16: bool, exact_lse: bool) -> bool:
     """Whether "auto" absorbs a sequence of `sq` queries and `sk` keys: bf16 products, where
-    `sq` (C + `ABSORB_CONTEXT_KNEE`) < `CROSSOVER` C (`CROSSOVER_LSE` C with the LSE asked),
+    `sq` (C + `ABSORB_CONTEXT_KNEE`) < `CROSSOVER` C (`CROSSOVER_LSE` C with the LSE corrected),
     C its cached keys (`sk - sq` causal, `sk` not); fp32 ones, where `sq < CROSSOVER_FP32`."""
     if not bf16:
         return sq < CROSSOVER_FP32
     context = max(0, sk - sq) if causal else sk
-    crossover = CROSSOVER_LSE if return_lse else CROSSOVER
+    crossover = CROSSOVER_LSE if exact_lse else CROSSOVER
     return sq * (context + ABSORB_CONTEXT_KNEE) < crossover * context
 
 
