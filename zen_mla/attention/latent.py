@@ -314,7 +314,8 @@ def latent_attention(
     `ABSORB_ROWS` rows their folded queries, out and causal diagonal's keys. Measured at a 16k
     context and 16 heads (VmHWM growth, bench/latent.py, an EPYC Zen 5): 12 / 22 / 97 MiB
     expanding 64 / 256 / 2048 new tokens, 66 / 87 / 140 MiB absorbing them; auto with the LSE
-    67 / 99 / 183 MiB.
+    67 / 99 / 183 MiB. At 4096 new tokens, 173 MiB expanding, 284 MiB with the LSE corrected:
+    the last, causal block holds all the new tokens' keys, their residual and fp32 running out.
     """
     if form not in FORMS:
         raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(form))
@@ -691,6 +692,7 @@ def _expand_bf16(
             v[..., :dv] = kv[..., nope:]
             v[..., dv:] = dk
             del rounded, dk
+            kv = kv[:0]  # k and v are copies: the block's matmul freed before the kernel
         else:
             v = kv[..., nope:]
         block_causal = causal and k1 - 1 > sk - s
@@ -709,10 +711,15 @@ def _expand_bf16(
         else:
             _merge_into(acc, m, part, part_lse)
     assert acc is not None and m is not None
+    del part
     out.copy_(acc[..., :dv])
     if exact_lse:
-        shift = torch.einsum("shd,shd->hs", q[..., :nope].float(), acc[..., dv:].float())
-        m = m.add(shift, alpha=scale)
+        for a in range(0, s, 256):  # a few MiB of fp32 at a time
+            rows = slice(a, a + 256)
+            shift = torch.einsum(
+                "shd,shd->hs", q[rows, :, :nope].float(), acc[rows, :, dv:].float()
+            )
+            m[:, rows] += scale * shift
     lse.copy_(m)
 
 
