@@ -71,7 +71,7 @@ def auto_crossover(context: int, return_lse: bool = False) -> int:
     (latent.py's rule, with the products this host takes for bf16 inputs)."""
     bf16 = bf16_unavailable() is None
     return next(
-        m for m in range(1, 1 << 20) if not latent._absorbs(m, context + m, True, bf16, return_lse)
+        m for m in range(1, 1 << 20) if not latent.absorbs(m, context + m, True, bf16, return_lse)
     )
 
 

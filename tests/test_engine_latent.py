@@ -10,8 +10,9 @@ import torch
 
 import zen_mla
 from tests.reference import attention_fp64
+from zen_mla.attention import latent
 from zen_mla.attention.latent import latent_attention
-from zen_mla.engine import EngineConfig, PrefillEngine, latent_work
+from zen_mla.engine import EngineConfig, PrefillEngine
 from zen_mla.pool import PoolConfig
 from zen_mla.wire import PrefillOptions
 
@@ -69,7 +70,8 @@ def test_a_latent_batch_on_the_workers_is_latent_attention(engine, form, causal)
     request = engine.prepare(x, PrefillOptions(causal=causal, return_lse=True, form=form))
     assert request.kernels == zen_mla.KernelChoice("latent", "latent")
     assert (request.num_seqs, request.num_q_tokens, request.num_kv_tokens) == (4, 52, 105)
-    assert request.cost.work == latent_work(request.batch, form) > 0
+    assert request.cost.work == latent.work(request.batch, form, precision="auto", return_lse=True)
+    assert request.cost.workspace_bytes >= latent.workspace_bytes(request.batch, threads=1) > 0
     result = engine.run(request).result(timeout=60)
     try:
         here, here_lse = latent_attention(**x, causal=causal, return_lse=True, form=form)

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .attention.batch import RaggedBatch, check_num_seqs, validate, visible_pairs
+from .attention import latent
+from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.driver import workspace_bytes
-from .attention.latent import CROSSOVER, FORMS, KEY_BLOCK, SCORE_BUDGET_BYTES, LatentBatch
-from .attention.latent import validate_latent as _validate_latent
+from .attention.latent import FORMS, LatentBatch
 from .attention.select import KernelChoice, select_kernel
 from .attention.status import host_status
 from .caller import Caller
@@ -50,8 +50,6 @@ __all__ = [
     "PrefillResult",
     "Reply",
     "SharedBuffer",
-    "latent_work",
-    "latent_workspace_bytes",
 ]
 
 #: the tensors of a prefill request, by the contract's names
@@ -333,9 +331,10 @@ class PrefillEngine:
         for name in LATENT_TENSORS:
             if name not in tensors:
                 raise InvalidInputError(name, "a tensor of that name in the request", "none")
-        if options.form not in FORMS:
+        form = next((f for f in FORMS if f == options.form), None)
+        if form is None:
             raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(options.form))
-        batch = _validate_latent(
+        batch = latent.validate_latent(
             tensors["q"],
             tensors["kv_c"],
             tensors["k_pe"],
@@ -348,13 +347,13 @@ class PrefillEngine:
         check_num_seqs("q_cu_seq_lens", batch.num_seqs + 1, self.config.max_seqs)
         cost = self._cost(
             batch,
-            latent_work(batch, options.form),
+            latent.work(batch, form, precision="auto", return_lse=options.return_lse),
             "multiply-adds of the latent attention's products",
-            latent_workspace_bytes(batch, threads=self._threads),
+            latent.workspace_bytes(batch, threads=self._threads),
             options.return_lse,
         )
         kernels = KernelChoice("latent", "latent" if options.return_lse else None)
-        return PrefillRequest(batch, kernels, cost, options.form)
+        return PrefillRequest(batch, kernels, cost, form)
 
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError
@@ -392,36 +391,3 @@ class PrefillEngine:
             caller=caller,
         )
         return PrefillJob(request, job)
-
-
-def latent_work(batch: LatentBatch, form: str) -> int:
-    """Multiply-adds of a latent batch's products (`attention.latent`'s cost model), each
-    sequence in the form `form` takes for it: expand, `R (Dn + Dv)` a head and key to make k and
-    v, then `Dqk + Dv` a head and visible pair; absorb, `(R + P) + R` a head and visible pair,
-    and `R (Dn + Dv)` a head and query to fold the weight into q and out."""
-    h, rank, rope = batch.num_heads, batch.kv_lora_rank, batch.rope_dim
-    nope, dv = batch.qk_nope_dim, batch.v_head_dim
-    qc, kc = batch.q_cu_seq_lens, batch.kv_cu_seq_lens
-    work = 0
-    for r in range(batch.num_seqs):
-        sq, sk = qc[r + 1] - qc[r], kc[r + 1] - kc[r]
-        pairs = visible_pairs(sq, sk, batch.causal)
-        if form == "absorb" or (form == "auto" and sq < CROSSOVER):
-            work += h * ((2 * rank + rope) * pairs + rank * (nope + dv) * sq)
-        elif sq:
-            work += h * (rank * (nope + dv) * sk + (nope + rope + dv) * pairs)
-    return work
-
-
-def latent_workspace_bytes(batch: LatentBatch, *, threads: int) -> int:
-    """An upper bound of what `latent_attention` allocates beyond its inputs and results, for
-    a worker's `threads` (all fp32): the weight, a key block made from the latent, a block of
-    scores, and the longest sequence's queries and running output in either form."""
-    h, rank, rope = batch.num_heads, batch.kv_lora_rank, batch.rope_dim
-    nope, dv = batch.qk_nope_dim, batch.v_head_dim
-    qc = batch.q_cu_seq_lens
-    longest = max((qc[r + 1] - qc[r] for r in range(batch.num_seqs)), default=0)
-    weight = h * (nope + dv) * rank
-    block = KEY_BLOCK * (h * (nope + dv) + rank + rope)
-    queries = longest * h * (2 * (rank + rope) + nope + rope + dv)
-    return 4 * (weight + block + queries) + SCORE_BUDGET_BYTES * max(threads, 1)

@@ -20,7 +20,7 @@ import torch
 
 from tests.reference import attention_fp64
 from zen_mla import InvalidInputError
-from zen_mla.attention import latent
+from zen_mla.attention import latent, latent_bf16, latent_fp32
 from zen_mla.attention.latent import latent_attention
 
 
@@ -149,13 +149,13 @@ def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     several key blocks (4 keys) and query blocks (3 queries of SMALL's heads), with fp32
     products and with bf16 ones."""
     if request.param == "small_blocks":
-        monkeypatch.setattr(latent, "KEY_BLOCK", 4)
-        monkeypatch.setattr(latent, "SCORE_BUDGET_BYTES", 4 * SMALL.heads * 4 * 3)
+        monkeypatch.setattr(latent_fp32, "KEY_BLOCK", 4)
+        monkeypatch.setattr(latent_fp32, "SCORE_BUDGET_BYTES", 4 * SMALL.heads * 4 * 3)
         # 4 keys of SMALL's k and v, bf16; 3 queries of its heads
         per_key = SMALL.heads * (SMALL.nope + SMALL.rope + SMALL.v) * 2
-        monkeypatch.setattr(latent, "NATIVE_BLOCK_BYTES", 4 * per_key)
-        monkeypatch.setattr(latent, "NATIVE_BLOCK_MAX_BYTES", 4 * per_key)
-        monkeypatch.setattr(latent, "ABSORB_ROWS", 3 * SMALL.heads)
+        monkeypatch.setattr(latent_bf16, "NATIVE_BLOCK_BYTES", 4 * per_key)
+        monkeypatch.setattr(latent_bf16, "NATIVE_BLOCK_MAX_BYTES", 4 * per_key)
+        monkeypatch.setattr(latent_bf16, "ABSORB_ROWS", 3 * SMALL.heads)
     return str(request.param)
 
 
@@ -213,17 +213,28 @@ def test_out_alone_without_return_lse(form, blocks):
     assert torch.equal(out, latent_attention(**x, return_lse=True, form=form)[0])
 
 
+#: each form's function by the name the tests give it: the module it lives in, its name there
+FORM_FUNCTIONS = {
+    "_expand": (latent_fp32, "expand"),
+    "_absorb": (latent_fp32, "absorb"),
+    "_expand_bf16": (latent_bf16, "expand"),
+    "_absorb_bf16": (latent_bf16, "absorb"),
+    "_native": (latent_bf16, "_native"),
+}
+
+
 def _spy(monkeypatch: pytest.MonkeyPatch, names: tuple[str, str]) -> list[tuple[str, int]]:
     """Which of the two form functions `names` each sequence went to, and its queries."""
     took: list[tuple[str, int]] = []
     for name in names:
-        form = getattr(latent, name)
+        module, attr = FORM_FUNCTIONS[name]
+        form = getattr(module, attr)
 
         def spy(q, *args, _form=form, _name=name):
             took.append((_name, q.shape[0]))
             _form(q, *args)
 
-        monkeypatch.setattr(latent, name, spy)
+        monkeypatch.setattr(module, attr, spy)
     return took
 
 
@@ -307,7 +318,7 @@ def test_no_bf16_products_without_bf16_arithmetic(monkeypatch):
     monkeypatch.setattr(latent, "bf16_unavailable", lambda: "no bf16 arithmetic")
     took = _spy(monkeypatch, ("_expand", "_absorb"))
     for name in ("_expand_bf16", "_absorb_bf16", "_native"):
-        monkeypatch.setattr(latent, name, None)  # calling one raises
+        monkeypatch.setattr(*FORM_FUNCTIONS[name], None)  # calling one raises
     x = _inputs(Spec([3, 200], [30, 2000]), SMALL, torch.bfloat16)
     out, lse = latent_attention(**x, return_lse=True)
     assert took == [("_absorb", 3), ("_expand", 200)]
@@ -319,8 +330,8 @@ def test_bf16_products_on_deepseek_heads_over_several_blocks(monkeypatch):
     """DeepSeek's dims, a context of several key blocks of the module's own size and causal
     diagonals of several absorbed row blocks, both forms against fp64."""
     for name in ("NATIVE_BLOCK_BYTES", "NATIVE_BLOCK_MAX_BYTES"):
-        monkeypatch.setattr(latent, name, 1024 * 2 * 320 * 2)  # 1024 keys
-    monkeypatch.setattr(latent, "ABSORB_ROWS", 2 * 50)  # 50 queries a call
+        monkeypatch.setattr(latent_bf16, name, 1024 * 2 * 320 * 2)  # 1024 keys
+    monkeypatch.setattr(latent_bf16, "ABSORB_ROWS", 2 * 50)  # 50 queries a call
     dims = Dims(heads=2, rank=512, rope=64, nope=128, v=128)
     x = _inputs(Spec([130, 1], [3000, 700]), dims, torch.bfloat16)
     for form in ("expand", "absorb"):

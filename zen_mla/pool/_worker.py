@@ -312,18 +312,20 @@ def _run_latent(spec: TaskSpec, latent: Latent, mapped: _Mapped) -> None:
     for piece in spec.pieces:
         h = slice(piece.h0, piece.h1)
         qs, ks = slice(piece.q_lo, piece.q_hi), slice(piece.kv_lo, piece.kv_hi)
-        got, got_lse = latent_attention(
+        args = (
             q[qs, h],
             kv_c[ks],
             k_pe[ks],
             w[piece.h0 * rows : piece.h1 * rows],
             torch.tensor(piece.q_cu),
             torch.tensor(piece.kv_cu),
-            causal=spec.causal,
-            return_lse=True,
-            scale=spec.scale,
-            form=cast(Form, latent.form),  # one of FORMS: checked where the request was read
+        )
+        form = cast(Form, latent.form)  # one of FORMS: checked where the request was read
+        if lse is None:  # its LSE not asked: nothing spent on it
+            out[qs, h] = latent_attention(*args, causal=spec.causal, scale=spec.scale, form=form)
+            continue
+        got, got_lse = latent_attention(
+            *args, causal=spec.causal, return_lse=True, scale=spec.scale, form=form
         )
         out[qs, h] = got
-        if lse is not None:
-            lse[h, qs] = got_lse
+        lse[h, qs] = got_lse

@@ -6,7 +6,8 @@ for each chunk of the context it gathers the latent rows `[kv_c | k_pe]` from th
 expands every one of them with `kv_b_proj` (`H (Dn + Dv)` values a token, 2 R a value of
 multiply-adds), then hands the expanded keys and values to the prefill backend. `ZenCPUMLAImpl`
 overrides that one method: the same gather into vLLM's workspace, then `latent_attention` on the
-chunk's latent and the layer's `kv_b_proj` weight (cached once, in the model's dtype, at load),
+chunk's latent and the layer's `kv_b_proj` weight (cached once, in the model's dtype, at load;
+`precision="bf16"`: the keys and values rounded to bf16 as vLLM's expansion rounds them),
 the chunks folded by vLLM's own `init_mla_context_partial` and `accumulate_mla_context_chunk`,
 and vLLM merges the result with the new tokens' part as before. The new tokens' own attention
 still goes to the prefill backend (zen-mla's, `backend.py`). The plugin points CPU_MLA here
@@ -79,6 +80,9 @@ class ZenCPUMLAImpl(CPUMLAImpl):
                 causal=False,
                 return_lse=True,
                 scale=self.scale,
+                # vLLM's own numbers: k_nope and v rounded to the model's dtype, as its
+                # expansion rounds them, and the LSE as that leaves it
+                precision="bf16",
             )
             stats.add(latent=1)
             if output is None:
