@@ -143,8 +143,14 @@ def main(row: str, model: str, longest: str, cached: str) -> None:
     for request in sys.stdin:  # {"column", "tokens", "rep"}: one measurement each
         asked = json.loads(request)
         ids = prompt_ids(asked["tokens"], asked["rep"], vocab, asked["column"])
-        if asked["column"] == "cached":
-            generate(ids[: asked["tokens"] // 2 // BLOCK * BLOCK + 1])  # its first half kept
+        if asked["column"] in ("cached", "prefix"):
+            # kept: its first half ("cached"), or all but its last `new` tokens ("prefix")
+            kept = (
+                asked["tokens"] // 2
+                if asked["column"] == "cached"
+                else asked["tokens"] - asked["new"]
+            )
+            generate(ids[: kept // BLOCK * BLOCK + 1])
             timers.take()
         seconds, token, logprob = generate(ids)
         line = asked | {"ttft": seconds, "token": token, "logprob": logprob, **timers.take()}

@@ -3,7 +3,7 @@ in process and as a service, on a random DeepSeek-V2-style model of real MLA att
 
     .venv/bin/python bench/vllm_ttft.py [--prompts 2048,8192,16384] [--cached 16384] [--reps 3]
         [--heads 16] [--layers 2] [--rows default,cpu_mla,local,local_expanded,service,service_own]
-        [--service-cpus half] [--cpu-mla-max 8192]
+        [--service-cpus half] [--cpu-mla-max 8192] [--question 256]
 
 Each row is an engine of its own (vLLM's `LLM`, bf16, eager, one sequence at a time) in a
 process of its own under .venv-vllm's Python (made by scripts/vllm-venv when missing):
@@ -23,11 +23,12 @@ process of its own under .venv-vllm's Python (made by scripts/vllm-venv when mis
 Columns: fresh prompts of `--prompts` tokens, and `--cached` tokens whose first half was seen
 before (its KV cache loaded: vLLM's prefix cache where the engine keeps one, else
 `_prefix_connector.PrefixConnector`), so the second half is prefilled over it as context: context
-chunks and the LSE merge. Each prompt is random token ids, the same in every row; each rep a new
-prompt. Reported: the median TTFT (`generate` of one token, the engine in the process), and, where
-the prefill goes through a prefill backend, the seconds spent in its calls ("attention") and, in
-process, in zen-mla's kernel; the first token of each prompt and its logprob against the
-`default` row's. Writes bench/out/vllm_ttft.json and bench/out/vllm_ttft.png.
+chunks and the LSE merge; and `--cached` tokens all cached followed by a `--question` of new
+tokens (a long cached prefix and a short question). Each prompt is random token ids, the same in
+every row; each rep a new prompt. Reported: the median TTFT (`generate` of one token, the engine
+in the process), and, where the prefill goes through a prefill backend, the seconds spent in its
+calls ("attention") and, in process, in zen-mla's kernel; the first token of each prompt and its
+logprob against the `default` row's. Writes bench/out/vllm_ttft.json and bench/out/vllm_ttft.png.
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ class Row:
         print(self.log.read()[-4000:], file=sys.stderr)
         raise SystemExit(f"row {self.name}: the engine's process ended ({self.proc.wait()})")
 
-    def measure(self, column: str, tokens: int, rep: int) -> dict[str, Any]:
+    def measure(self, column: str, tokens: int, rep: int, new: int = 0) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"column": column, "tokens": tokens, "rep": rep}) + "\n")
+        asked = {"column": column, "tokens": tokens, "rep": rep, "new": new}
+        self.proc.stdin.write(json.dumps(asked) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._expect("RESULT "))
 
@@ -121,9 +123,9 @@ def measure_interleaved(
 ) -> dict[str, list[dict[str, Any]]]:
     """Each prompt in every row before the next prompt, the rows' order turning from one rep to
     the next, so that the host's swings (a shared VM's) fall on every row alike."""
-    columns = [("fresh", n) for n in args.prompts] + (
-        [("cached", args.cached)] if args.cached else []
-    )
+    columns = [("fresh", n) for n in args.prompts]
+    columns += [("cached", args.cached)] if args.cached else []
+    columns += [("prefix", args.cached + args.question)] if args.cached and args.question else []
     results: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rows}
     for column, tokens in columns:
         for rep in range(args.reps):
@@ -131,7 +133,8 @@ def measure_interleaved(
             for row in rows[turn:] + rows[:turn]:
                 if row.name == "cpu_mla" and tokens > args.cpu_mla_max:
                     continue
-                results[row.name].append(row.measure(column, tokens, rep))
+                new = args.question if column == "prefix" else 0
+                results[row.name].append(row.measure(column, tokens, rep, new))
             done = ", ".join(
                 f"{r.name} {results[r.name][-1]['ttft']:.2f}"
                 for r in rows
@@ -209,7 +212,8 @@ def print_tables(lines: list[dict[str, Any]]) -> None:
             if (x["column"], x["tokens"]) == col and x["row"] in ("default", "cpu_mla")
         ]
         fastest_own[col] = min(own) if own else None
-    header = ["row"] + [f"{t} {'' if k == 'fresh' else '(half cached) '}s" for k, t in columns]
+    kinds = {"fresh": "", "cached": "(half cached) ", "prefix": "(all but the question cached) "}
+    header = ["row"] + [f"{t} {kinds[k]}s" for k, t in columns]
     rows = []
     for row in dict.fromkeys(x["row"] for x in lines):
         cells = [row]
@@ -311,6 +315,12 @@ def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     parser.add_argument("--prompts", type=ints, default=[2048, 8192, 16384])
     parser.add_argument("--cached", type=int, default=16384, help="0: no cached-prefix column")
+    parser.add_argument(
+        "--question",
+        type=int,
+        default=256,
+        help="new tokens after a prefix of --cached tokens, all cached (0: no such column)",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
