@@ -56,6 +56,12 @@ VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ENGINE = "import sys, _ttft_engine; _ttft_engine.main(*sys.argv[1:])"
 
 
+def longest_prompt(args: argparse.Namespace) -> int:
+    """The most tokens a prompt of the run has: a fresh one, or a cached prefix and its
+    question."""
+    return max([*args.prompts, args.cached + (args.question if args.cached else 0)])
+
+
 def ensure_venv() -> None:
     """.venv-vllm, made or brought up to date by scripts/vllm-venv (a moment when it is)."""
     subprocess.run(["bash", str(ROOT / "scripts" / "vllm-venv")], check=True, cwd=ROOT)
@@ -75,7 +81,7 @@ class Row:
     ) -> None:
         self.name = row
         command = [str(VENV_PYTHON), "-c", ENGINE, row, str(model)]
-        command += [str(max([*args.prompts, args.cached])), str(args.cached)]
+        command += [str(longest_prompt(args)), str(args.cached)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ZEN_MLA_")} | env
         env |= dict(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -341,7 +347,7 @@ def main() -> None:
     os.sched_setaffinity(0, everything)  # this process only waits; its children are pinned
     assert service_cpus is not None
     engine_cpus = tuple(x for x in everything if x not in service_cpus)
-    longest = max([*args.prompts, args.cached])
+    longest = longest_prompt(args)
     scratch = tempfile.TemporaryDirectory(prefix="zen-mla-model-")  # gone when this ends
     model = write_deepseek(
         Path(scratch.name) / "model",

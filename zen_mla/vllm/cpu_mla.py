@@ -10,7 +10,9 @@ chunk's latent and the layer's `kv_b_proj` weight (cached once, in the model's d
 `precision="bf16"`: the keys and values rounded to bf16 as vLLM's expansion rounds them),
 the chunks folded by vLLM's own `init_mla_context_partial` and `accumulate_mla_context_chunk`,
 and vLLM merges the result with the new tokens' part as before. The new tokens' own attention
-still goes to the prefill backend (zen-mla's, `backend.py`). The plugin points CPU_MLA here
+still goes to the prefill backend (zen-mla's, `backend.py`). A prefill of more than
+`LATENT_MAX_QUERIES` new tokens has its context expanded as vLLM does (there the latent's
+blocks cost more than the expanded context's bytes). The plugin points CPU_MLA here
 where zen-mla runs in vLLM's process (`ZEN_MLA_URL=local`).
 """
 
@@ -32,7 +34,16 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from ..attention.latent import latent_attention
 from .stats import stats
 
-__all__ = ["ZenCPUMLABackend", "ZenCPUMLAImpl"]
+__all__ = ["LATENT_MAX_QUERIES", "ZenCPUMLABackend", "ZenCPUMLAImpl"]
+
+#: a prefill's new tokens (the queries of its context chunks) up to which the context is
+#: attended from the latent; past them vLLM expands it as it does. Measured on an AMD EPYC Zen 5
+#: (2 vCPUs, 16 heads, a context chunk of 8k or 16k tokens, paired medians): the latent over
+#: vLLM's bf16 expansion then zen-mla's kernel, 0.85-0.86 at 256 new tokens, 0.90-0.93 at 1024,
+#: 0.96-0.98 at 2048, 1.03-1.09 at 4096, 1.11 at 8192 (one key block's expansion a call of
+#: the native kernel over every query: past a few thousand queries, the blocks' merges cost
+#: more than the expanded context's bytes)
+LATENT_MAX_QUERIES = 2048
 
 
 class ZenCPUMLAImpl(CPUMLAImpl):
@@ -52,6 +63,10 @@ class ZenCPUMLAImpl(CPUMLAImpl):
         attn_metadata: Any,
         k_scale: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[0] > LATENT_MAX_QUERIES:
+            return super()._compute_prefill_context(  # type: ignore[no-any-return]
+                q, kv_c_and_k_pe_cache, attn_metadata, k_scale
+            )
         prefill = attn_metadata.prefill
         assert prefill is not None and prefill.chunked_context is not None
         if self.w_kv_b is None:  # loaded without vLLM's weight pass: as vLLM would
