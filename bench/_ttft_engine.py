@@ -37,14 +37,13 @@ class Timers:
         self.calls = 0
         if row == "default" and not cpu_mla_is_default():
             return  # AMX_MLA's prefill calls no prefill backend
-        # the cached context's whole part (gather, expansion or the latent, its attention)
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-        self._wrap_function(CPUMLAImpl, "_compute_prefill_context", "context")
+        # the cached context's whole part (gather, expansion or the latent, its attention), on
+        # the class the row's engine runs (zen-mla's calls vLLM's where it expands)
         if row == "local":
-            from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl
-
-            self._wrap_function(ZenCPUMLAImpl, "_compute_prefill_context", "context")
+            from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl as impl
+        else:
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl as impl
+        self._wrap_function(impl, "_compute_prefill_context", "context")
         if row in ("default", "cpu_mla"):
             from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
