@@ -40,10 +40,13 @@ class Timers:
         # the cached context's whole part (gather, expansion or the latent, its attention), on
         # the class the row's engine runs (zen-mla's calls vLLM's where it expands)
         if row == "local":
-            from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl as impl
+            from zen_mla.vllm.cpu_mla import ZenCPUMLAImpl
+
+            self._wrap_function(ZenCPUMLAImpl, "_compute_prefill_context", "context")
         else:
-            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl as impl
-        self._wrap_function(impl, "_compute_prefill_context", "context")
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+            self._wrap_function(CPUMLAImpl, "_compute_prefill_context", "context")
         if row in ("default", "cpu_mla"):
             from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
