@@ -116,7 +116,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
     """Take weights, listen for same-host regions, and take system shared memory
     registrations, where the settings offer them (on the event loop)."""
     s = state.settings
-    state.weights = Weights(engine, s.max_weights)
+    state.weights = Weights(engine, s.max_weights, s.max_inflight_bytes // 2)
     if s.system_shm:
         state.system_shm = SystemShmRegistry(
             max_regions=s.system_shm_max_regions,

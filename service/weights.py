@@ -5,8 +5,10 @@ A weight is its caller's: registered, listed, used and forgotten by the caller (
 without tenants) that sent it; another caller's names answer as never registered. It lies in
 one of the engine's shared buffers, the body it came in (the workers read it there in place),
 and its bytes stay charged to its caller's share of the service's memory until it is forgotten
-(`DELETE /weights/{name}`, or registered again under its name). Work using it holds a lease:
-a weight forgotten meanwhile is let go when the last such work ends.
+(`DELETE /weights/{name}`, or registered again under its name). Weights hold at most half the
+service's byte budget, all callers together: requests keep the rest, whoever holds weights.
+Work using a weight holds a lease: a weight forgotten meanwhile is let go when the last such
+work ends.
 
 Owner: the event loop's thread (routes and forms on it register, lease and forget), so nothing
 here needs a lock; a lease is given back from the request's own task.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zen_mla import InvalidInputError, NotFoundError
+from zen_mla import InvalidInputError, NotFoundError, QueueFullError
 from zen_mla.caller import Caller
 from zen_mla.engine import PrefillEngine, SharedBuffer
 
@@ -49,14 +51,18 @@ class Weight:
 class Weights:
     """The weights registered, by caller and name. Owner: the event loop's thread."""
 
-    def __init__(self, engine: PrefillEngine, max_weights: int) -> None:
+    def __init__(self, engine: PrefillEngine, max_weights: int, max_bytes: int) -> None:
         self.engine = engine
         self.max_weights = max_weights
+        self.max_bytes = max_bytes
+        self.held_bytes = 0  # charged for the weights registered, every caller's
         self._by_caller: dict[Caller | None, dict[str, Weight]] = {}
 
-    def check_room(self, caller: Caller | None, name: str) -> None:
+    def check_room(self, caller: Caller | None, name: str, nbytes: int = 0) -> None:
         """InvalidInputError where registering `name` would take the caller past `max_weights`
-        (one of that name is replaced, not added)."""
+        (one of that name is replaced, not added); QueueFullError where `nbytes` more would take
+        the weights of every caller past `max_bytes` (half the service's byte budget: the rest
+        stays for requests, whoever holds weights)."""
         mine = self._by_caller.get(caller, {})
         if name not in mine and len(mine) >= self.max_weights:
             raise InvalidInputError(
@@ -65,6 +71,12 @@ class Weights:
                 "one more",
                 "Forget the weights you no longer use (DELETE /weights/{name})",
             )
+        if self.held_bytes + nbytes > self.max_bytes:
+            raise QueueFullError(
+                f"registered weights hold {self.held_bytes} bytes; {nbytes} more would pass "
+                f"the {self.max_bytes} they may hold (half of --max-inflight-bytes)",
+                retry_after=5,
+            )
 
     def register(self, weight: Weight) -> None:
         """`weight` under its name for its caller, in place of one of that name (let go once
@@ -72,6 +84,7 @@ class Weights:
         mine = self._by_caller.setdefault(weight.caller, {})
         old = mine.get(weight.name)
         mine[weight.name] = weight
+        self.held_bytes += weight.charge.nbytes
         if old is not None:
             self._forget(old)
 
@@ -120,5 +133,6 @@ class Weights:
             self._free(weight)
 
     def _free(self, weight: Weight) -> None:
+        self.held_bytes -= weight.charge.nbytes
         self.engine.release(weight.buffer)
         weight.charge.close()

@@ -105,7 +105,9 @@ class WeightForm(Form[Response]):
     def keep(self, held: Held) -> None:
         assert self.body is not None and self.tensor is not None
         weights = weights_of(self.state)
-        weights.check_room(self.caller, self.name)  # others may have registered meanwhile
+        assert held.ticket is not None
+        # others may have registered meanwhile
+        weights.check_room(self.caller, self.name, held.ticket.charged)
         charge = held.hand_out(self.body, "weight")
         self.weight = Weight(self.name, self.caller, self.tensor, self.body, charge)
         weights.register(self.weight)

@@ -317,3 +317,24 @@ def test_the_v2_routes_take_the_latent_and_name_the_weight(server):
                     g.infer("mla_prefill", grpc_inputs(x), parameters=other, headers=token())
         finally:
             assert c.delete("/weights/v2-w", headers=A).status_code == 204
+
+
+@pytest.mark.slow
+def test_weights_of_every_caller_hold_at_most_half_the_byte_budget(tmp_path):
+    """Weights from many callers (peer addresses without tenants) cannot squat the budget:
+    past half of it a registration is 429 and the service still computes; forgetting makes
+    room again."""
+    w = torch.zeros(H * (NOPE + DV), 1200, dtype=torch.bfloat16)  # 600 KiB
+    budget = {"max_inflight_bytes": 2 << 20, "max_body_bytes": 1 << 20}
+    with serve(tmp_path, workers=1, **budget) as s, s.client() as c:
+        assert _register(c, "a", w, {}).status_code == 200
+        refused = _register(c, "b", w, {})
+        assert refused.status_code == 429 and "half of --max-inflight-bytes" in refused.text
+        assert refused.headers["retry-after"] == "5"
+        x = _latent([3], [9])
+        small = _weight()
+        assert c.delete("/weights/a").status_code == 204
+        assert _register(c, "b", w, {}).status_code == 200
+        assert _register(c, "small", small, {}).status_code == 200
+        answer = _call(c, x, "small", {})
+        assert answer.status_code == 200, answer.text

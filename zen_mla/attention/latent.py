@@ -376,13 +376,15 @@ def workspace_bytes(batch: LatentBatch, *, threads: int) -> int:
     longest = max((qc[r + 1] - qc[r] for r in spans), default=0)
     keys = max((kc[r + 1] - kc[r] for r in spans), default=0)
     weight = 4 * h * (nope + dv) * rank
-    blocks = 3 * latent_bf16.NATIVE_BLOCK_MAX_BYTES
-    fp32_block = 4 * latent_fp32.KEY_BLOCK * (h * (nope + dv) + rank + rope)
+    # a key block is at most the sequence's keys (bf16 k, v and k_nope's residual, all heads)
+    block = min(latent_bf16.NATIVE_BLOCK_MAX_BYTES, 2 * keys * h * (2 * nope + rope + dv))
+    fp32_block = 4 * min(latent_fp32.KEY_BLOCK, keys) * (h * (nope + dv) + rank + rope)
     queries = 4 * longest * h * (2 * (rank + rope) + 2 * (nope + dv))
     latent_key = 3 * 2 * keys * (rank + rope)
-    absorbed = 4 * latent_bf16.ABSORB_ROWS * (2 * rank + rope)
-    scores = latent_fp32.SCORE_BUDGET_BYTES * max(threads, 1)
-    return weight + max(blocks, fp32_block) + queries + latent_key + absorbed + scores
+    absorbed = 4 * min(latent_bf16.ABSORB_ROWS, longest * h) * (2 * rank + rope)
+    scores = min(latent_fp32.SCORE_BUDGET_BYTES, 4 * longest * h * latent_fp32.KEY_BLOCK)
+    blocks = max(3 * block, fp32_block)
+    return weight + blocks + queries + latent_key + absorbed + scores * max(threads, 1)
 
 
 def _attend(
