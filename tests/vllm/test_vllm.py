@@ -424,7 +424,8 @@ def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     path = "zen_mla.vllm.ZenMLARemotePrefillBackend"
     once = [("ZEN_MLA", path), ("ZEN_CPU", path), ("CPU", path)]
     assert vllm_registry.calls == once + once
-    assert vllm_registry.attention == []  # the latent in process only
+    # CPU_MLA's class on the CPU platform, which takes the latent only in process
+    assert vllm_registry.attention == [("CPU_MLA", vllm.plugin.CPU_MLA_PATH)] * 2
     each = [(logging.INFO, "CPU platform prefill backends ZEN_CPU and CPU")]
     if amx:
         each.append((logging.WARNING, "unless vLLM runs with --attention-backend CPU_MLA"))

@@ -12,8 +12,9 @@ the chunks folded by vLLM's own `init_mla_context_partial` and `accumulate_mla_c
 and vLLM merges the result with the new tokens' part as before. The new tokens' own attention
 still goes to the prefill backend (zen-mla's, `backend.py`). A prefill of more than
 `LATENT_MAX_QUERIES` new tokens has its context expanded as vLLM does (there the latent's
-blocks cost more than the expanded context's bytes). The plugin points CPU_MLA here
-where zen-mla runs in vLLM's process (`ZEN_MLA_URL=local`).
+blocks cost more than the expanded context's bytes). The plugin points CPU_MLA here on vLLM's
+CPU platform; the latent is taken where zen-mla runs in vLLM's process (`ZEN_MLA_URL=local`)
+and `ZEN_MLA_LATENT` is on, read at each call (elsewhere it is CPU_MLA as vLLM ships it).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from ..attention.latent import latent_attention
+from ..envs import ZEN_MLA_LATENT
+from .settings import LocalSettings, default_settings
 from .stats import stats
 
-__all__ = ["LATENT_MAX_QUERIES", "ZenCPUMLABackend", "ZenCPUMLAImpl"]
+__all__ = ["LATENT_MAX_QUERIES", "ZenCPUMLABackend", "ZenCPUMLAImpl", "latent_here"]
 
 #: a prefill's new tokens (the queries of its context chunks) up to which the context is
 #: attended from the latent; past them vLLM expands it as it does. Measured on an AMD EPYC Zen 5
@@ -44,6 +47,13 @@ __all__ = ["LATENT_MAX_QUERIES", "ZenCPUMLABackend", "ZenCPUMLAImpl"]
 #: the native kernel over every query: past a few thousand queries, the blocks' merges cost
 #: more than the expanded context's bytes)
 LATENT_MAX_QUERIES = 2048
+
+
+def latent_here() -> bool:
+    """Whether this process attends cached context from the latent now: zen-mla runs in it
+    (`ZEN_MLA_URL=local`) and `ZEN_MLA_LATENT` is on; read at each call, as the prefill backend
+    reads its settings (the plugin registers this class once, whatever they are then)."""
+    return isinstance(default_settings(), LocalSettings) and ZEN_MLA_LATENT.read()
 
 
 class ZenCPUMLAImpl(CPUMLAImpl):
@@ -63,7 +73,7 @@ class ZenCPUMLAImpl(CPUMLAImpl):
         attn_metadata: Any,
         k_scale: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.shape[0] > LATENT_MAX_QUERIES:
+        if not latent_here() or q.shape[0] > LATENT_MAX_QUERIES:
             return super()._compute_prefill_context(  # type: ignore[no-any-return]
                 q, kv_c_and_k_pe_cache, attn_metadata, k_scale
             )

@@ -71,9 +71,11 @@ def register() -> None:
         " and ".join(CPU_PREFILL_ENTRIES),
         BACKEND_PATH,
     )
+    # CPU_MLA's context from the latent, where zen-mla runs here (`cpu_mla.latent_here`, read
+    # at each call: vLLM loads plugins once a process, settings may change after)
+    attention = importlib.import_module(ATTENTION_REGISTRY)
+    attention.register_backend(attention.AttentionBackendEnum.CPU_MLA, CPU_MLA_PATH)
     if isinstance(settings, LocalSettings) and ZEN_MLA_LATENT.read():
-        attention = importlib.import_module(ATTENTION_REGISTRY)
-        attention.register_backend(attention.AttentionBackendEnum.CPU_MLA, CPU_MLA_PATH)
         logger.info(
             "zen-mla: CPU_MLA's cached context is attended from the latent in this process "
             "(%s): vLLM no longer expands it with kv_b_proj",
