@@ -2,13 +2,16 @@
 cache, on a real `zen-mla serve` with tenants: each answer equal to in-process
 `latent_attention`; a weight charged to its tenant while registered and given back when
 forgotten or replaced; another tenant's names answer as never registered; bad registrations and
-bad latent calls refused naming what is wrong, the service healthy after; a weight forgotten
-while calls use it stays until they end."""
+bad latent calls refused naming what is wrong, the service healthy after; a registration that
+falls silent cut by the body reader; a weight forgotten while calls use it stays until they
+end."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +24,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 import zen_mla
 from bench._server import free_port
 from tests.service.grpc_caller import grpc_inputs
+from tests.service.raw import address, assert_problem, read_answer
 from tests.service.servers import busy_worker, serve, server_fixture
 from tests.service.v2_tensors import to_numpy, to_torch
 from zen_mla import wire
@@ -338,3 +342,24 @@ def test_weights_of_every_caller_hold_at_most_half_the_byte_budget(tmp_path):
         assert _register(c, "small", small, {}).status_code == 200
         answer = _call(c, x, "small", {})
         assert answer.status_code == 200, answer.text
+
+
+def test_a_registration_that_trickles_or_falls_silent_is_cut_and_registers_nothing(server):
+    """`PUT /weights/{name}` is read by the one body reader: a body announced at 512 KiB that
+    sends 100 bytes and then nothing is cut with 408 once the grace is over (under the minimum
+    rate), nothing is registered or left charged, and the service answers meanwhile."""
+    with server.client() as c:
+        before = _held(c)
+        with socket.create_connection(address(server)) as s:
+            head = (
+                b"PUT /weights/silent HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer token-a\r\n"
+                b"Content-Type: application/octet-stream\r\nContent-Length: 524288\r\n\r\n"
+            )
+            s.sendall(head + b"\0" * 100)
+            assert c.get("/health").json()["status"] == "ok"  # served while it waits
+            started = time.monotonic()
+            raw = read_answer(s, 15)
+        assert_problem(raw, 408)
+        assert time.monotonic() - started < 10
+        assert "silent" not in [e["name"] for e in c.get("/weights", headers=A).json()]
+        assert _held(c) == before
