@@ -89,6 +89,26 @@ def test_a_latent_batch_on_the_workers_is_latent_attention(engine, form, causal)
         result.release()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_precision_asked_is_the_workers(engine, precision):
+    """`PrefillOptions.precision` reaches the workers: the LSE as in-process `latent_attention`
+    gives it in that precision (bf16's rounding of the keys moves it ~1e-3 where the CPU has
+    bf16 arithmetic, against "auto"'s correction)."""
+    x = _latent(seed=3)
+    options = PrefillOptions(return_lse=True, form="expand", precision=precision)
+    request = engine.prepare(x, options)
+    want = latent.work(request.batch, "expand", precision=precision, return_lse=True)
+    assert request.cost.work == want
+    result = engine.run(request).result(timeout=60)
+    try:
+        here, here_lse = latent_attention(**x, return_lse=True, form="expand", precision=precision)
+        assert (result.out.float() - here.float()).abs().max().item() <= 2**-6
+        assert result.lse is not None
+        assert (result.lse - here_lse).abs().max().item() <= 1e-5
+    finally:
+        result.release()
+
+
 def test_inputs_and_a_weight_in_shared_buffers_are_read_in_place(engine):
     """The request's tensors in one buffer (a body read from a socket), the weight in another
     (registered once): the workers map both, nothing is copied into a staging buffer."""
@@ -123,10 +143,18 @@ def test_inputs_and_a_weight_in_shared_buffers_are_read_in_place(engine):
         (lambda x: x.pop("w_kv_b"), {}, "w_kv_b", "a tensor of that name"),
         (lambda x: x.update(k=x["kv_c"]), {}, "k", "no k or v beside kv_c"),
         (lambda x: None, {"form": "fold"}, "form", '"expand", "absorb" or "auto"'),
+        (lambda x: None, {"precision": "fp8"}, "precision", '"auto", "bf16" or "fp32"'),
         (lambda x: x.update(k_pe=x["k_pe"][:-1]), {}, "k_pe", "[Tk=105, rope_dim]"),
         (lambda x: x.update(w_kv_b=x["w_kv_b"].T), {}, "w_kv_b", "[H * (qk_nope_dim"),
     ],
-    ids=["no_weight", "k_beside_kv_c", "unknown_form", "k_pe_short", "weight_transposed"],
+    ids=[
+        "no_weight",
+        "k_beside_kv_c",
+        "unknown_form",
+        "unknown_precision",
+        "k_pe_short",
+        "weight_transposed",
+    ],
 )
 def test_a_bad_latent_request_is_refused_naming_the_tensor(engine, change, options, name, expected):
     x = _latent()

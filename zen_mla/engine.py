@@ -30,7 +30,7 @@ import torch
 from .attention import latent
 from .attention.batch import RaggedBatch, check_num_seqs, validate
 from .attention.driver import workspace_bytes
-from .attention.latent import FORMS, LatentBatch
+from .attention.latent import FORMS, PRECISIONS, LatentBatch
 from .attention.select import KernelChoice, select_kernel
 from .attention.status import host_status
 from .caller import Caller
@@ -110,6 +110,7 @@ class PrefillRequest:
     kernels: KernelChoice
     cost: Cost
     form: str | None = None
+    precision: str = "auto"  # over the latent cache: `latent_attention`'s
 
     @property
     def num_seqs(self) -> int:
@@ -334,6 +335,11 @@ class PrefillEngine:
         form = next((f for f in FORMS if f == options.form), None)
         if form is None:
             raise InvalidInputError("form", '"expand", "absorb" or "auto"', repr(options.form))
+        precision = next((p for p in PRECISIONS if p == options.precision), None)
+        if precision is None:
+            raise InvalidInputError(
+                "precision", '"auto", "bf16" or "fp32"', repr(options.precision)
+            )
         batch = latent.validate_latent(
             tensors["q"],
             tensors["kv_c"],
@@ -347,13 +353,13 @@ class PrefillEngine:
         check_num_seqs("q_cu_seq_lens", batch.num_seqs + 1, self.config.max_seqs)
         cost = self._cost(
             batch,
-            latent.work(batch, form, precision="auto", return_lse=options.return_lse),
+            latent.work(batch, form, precision=precision, return_lse=options.return_lse),
             "multiply-adds of the latent attention's products",
             latent.workspace_bytes(batch, threads=self._threads),
             options.return_lse,
         )
         kernels = KernelChoice("latent", "latent" if options.return_lse else None)
-        return PrefillRequest(batch, kernels, cost, form)
+        return PrefillRequest(batch, kernels, cost, form, precision)
 
     def check_num_seqs(self, name: str, entries: int) -> None:
         """A cu_seq_lens of `entries` offsets is within the sequence cap (InvalidInputError
@@ -384,6 +390,7 @@ class PrefillEngine:
             request.batch,
             request.form or kernels.out,
             return_lse=kernels.lse is not None,
+            precision=request.precision,
             inputs=inputs,
             outputs=outputs,
             loop=loop,

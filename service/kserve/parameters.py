@@ -34,6 +34,7 @@ PARAMETERS = (
     "binary_data_output",
     "timeout",
     "form",
+    "precision",
     "weight",
 )
 #: a tensor's parameters that place it in system shared memory
@@ -81,7 +82,7 @@ def request_parameters(raw: object) -> dict[str, Any]:
             if not (ok and math.isfinite(value) and value > 0):
                 raise InvalidInputError("scale", "a finite number > 0", repr(value)[:40])
             out[key] = float(value)
-        elif key in ("kernel", "form"):
+        elif key in ("kernel", "form", "precision"):
             if not isinstance(value, str):
                 raise InvalidInputError(key, "a string", kind(value))
             out[key] = value

@@ -155,6 +155,7 @@ class InferRequest:
     timeout: float | None = None  # the caller's seconds (its `timeout` parameter)
     form: str = "auto"  # over the latent cache: how it is attended
     weight: str | None = None  # over the latent cache: the registered w_kv_b it names
+    precision: str = "auto"  # over the latent cache: what its products are multiplied in
     uses_shm: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +172,7 @@ class InferRequest:
             self.id,
             form=self.form,
             weight=self.weight,
+            precision=self.precision,
         )
 
 
@@ -253,6 +255,7 @@ def parse_request(doc: object, binary_bytes: int) -> InferRequest:
         timeout=params.get("timeout"),
         form=params.get("form", "auto"),
         weight=params.get("weight"),
+        precision=params.get("precision", "auto"),
     )
 
 

@@ -117,6 +117,31 @@ def test_a_latent_call_names_a_registered_weight(server, form):
         assert (got["lse"] - want_lse).abs().max().item() <= 1e-4
 
 
+def test_a_latent_call_is_computed_in_the_precision_it_asks(server):
+    """`__metadata__.precision` reaches the kernel: the LSE as in-process `latent_attention`
+    gives it in that precision (bf16's rounding moves it ~1e-3 where the CPU has bf16
+    arithmetic); one the library has not is refused naming it."""
+    w, x = _weight(seed=8), _latent([7, 30], [50, 30])
+    args = (x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"])
+    with server.client() as c:
+        assert _register(c, "exact", w, A).status_code == 200
+        try:
+            for precision in ("bf16", "fp32"):
+                answer = _call(c, x, "exact", A, form="expand", precision=precision)
+                assert answer.status_code == 200, answer.text
+                got, _ = _decoded(answer, {"out", "lse"})
+                want, want_lse = latent_attention(
+                    *args, return_lse=True, form="expand", precision=precision
+                )
+                assert (got["out"].float() - want.float()).abs().max().item() <= 2**-6
+                assert (got["lse"] - want_lse).abs().max().item() <= 1e-5
+            refused = _call(c, x, "exact", A, precision="fp8")
+            assert refused.status_code == 422
+            assert refused.json()["tensor"] == "precision" and "bf16" in refused.text
+        finally:
+            c.delete("/weights/exact", headers=A)
+
+
 def test_a_weight_is_charged_until_forgotten_and_its_tenants_alone(server):
     w = _weight(seed=2)
     with server.client() as c:
@@ -269,11 +294,20 @@ def test_the_clients_register_once_call_and_register_again_where_the_service_for
         with pytest.raises(zen_mla.InvalidInputError, match="weight"):
             client.prefill_latent(*args)
 
+    _, want_bf16 = latent_attention(
+        x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
+        return_lse=True, form="expand", precision="bf16",
+    )  # fmt: skip
+
     async def over_asyncio() -> None:
         async with AsyncPrefillClient(server.url, token="token-b") as aclient:
             aclient.register_weight("client-w", w)
             got = await aclient.prefill_latent(*args, form="expand")
             assert (got.float() - want.float()).abs().max().item() <= 2**-6
+            _, lse = await aclient.prefill_latent(
+                *args, return_lse=True, form="expand", precision="bf16"
+            )
+            assert (lse - want_bf16).abs().max().item() <= 1e-5
             await aclient.forget_weight("client-w")
 
     asyncio.run(over_asyncio())
@@ -283,8 +317,9 @@ def test_the_clients_register_once_call_and_register_again_where_the_service_for
 
 def test_the_v2_routes_take_the_latent_and_name_the_weight(server):
     """KServe v2 over HTTP and gRPC (tritonclient): inputs kv_c and k_pe in place of k and v,
-    the `weight` parameter naming a registered one, `form` passed on; answers equal to
-    in-process `latent_attention`; a latent request with no weight refused naming it."""
+    the `weight` parameter naming a registered one, `form` (and over gRPC `precision`) passed
+    on; answers equal to in-process `latent_attention`; a latent request with no weight refused
+    naming it."""
     w, x = _weight(seed=6), _latent([9, 33], [70, 33])
     want, want_lse = latent_attention(
         x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
@@ -316,6 +351,13 @@ def test_the_v2_routes_take_the_latent_and_name_the_weight(server):
                 out, lse = to_torch(got.as_numpy("out")), to_torch(got.as_numpy("lse"))
                 assert (out.float() - want.float()).abs().max().item() <= 2**-6
                 assert (lse - want_lse).abs().max().item() <= 1e-4
+                bf16 = params | {"precision": "bf16"}
+                got = g.infer("mla_prefill", grpc_inputs(x), parameters=bf16, headers=token())
+                _, want_bf16 = latent_attention(
+                    x["q"], x["kv_c"], x["k_pe"], w, x["q_cu_seq_lens"], x["kv_cu_seq_lens"],
+                    return_lse=True, form="absorb", precision="bf16",
+                )  # fmt: skip
+                assert (to_torch(got.as_numpy("lse")) - want_bf16).abs().max().item() <= 1e-5
                 with pytest.raises(InferenceServerException, match="no weight named 'other'"):
                     other = params | {"weight": "other"}
                     g.infer("mla_prefill", grpc_inputs(x), parameters=other, headers=token())

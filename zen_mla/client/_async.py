@@ -221,12 +221,14 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         return_lse: bool = False,
         scale: float | None = None,
         form: str = "auto",
+        precision: str = "auto",
         request_id: str | None = None,
     ) -> PrefillOutput:
         """As `PrefillClient.prefill_latent`."""
         pending = self._latent_request(
             q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
-            causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
+            causal=causal, return_lse=return_lse, scale=scale, form=form, precision=precision,
+            request_id=request_id,
         )  # fmt: skip
         return await self._call(pending)
 

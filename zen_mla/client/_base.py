@@ -360,13 +360,14 @@ class BaseClient(Generic[H]):
         return_lse: bool,
         scale: float | None,
         form: str,
+        precision: str,
         request_id: str | None,
     ) -> ClientRequest:
         """A request over the latent cache, as `prefill_latent` takes it."""
         w_kv_b = self._weights.tensor(weight)
         options = wire.options_metadata(
             causal=causal, return_lse=return_lse, scale=scale, request_id=request_id,
-            form=form, weight=weight,
+            form=form, weight=weight, precision=precision,
         )  # fmt: skip
         tensors, outputs, work = check_latent(
             q, kv_c, k_pe, q_cu_seq_lens, kv_cu_seq_lens, w_kv_b,

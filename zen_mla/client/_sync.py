@@ -229,6 +229,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         return_lse: bool = False,
         scale: float | None = None,
         form: str = "auto",
+        precision: str = "auto",
         request_id: str | None = None,
     ) -> PrefillOutput:
         """As `zen_mla.latent_attention` with the registered weight `weight` as `w_kv_b`,
@@ -236,7 +237,8 @@ class PrefillClient(BaseClient[httpx.Client]):
         context's keys and values, nor the weight."""
         pending = self._latent_request(
             q, kv_c, k_pe, weight, q_cu_seq_lens, kv_cu_seq_lens,
-            causal=causal, return_lse=return_lse, scale=scale, form=form, request_id=request_id,
+            causal=causal, return_lse=return_lse, scale=scale, form=form, precision=precision,
+            request_id=request_id,
         )  # fmt: skip
         return self._call(pending)
 

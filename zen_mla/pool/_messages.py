@@ -74,12 +74,14 @@ class BufferUse:
 @dataclass(frozen=True)
 class Latent:
     """A batch's keys and values as MLA's latent cache (`attention.latent`): `kv_c` `[Tk, R]`,
-    `k_pe` `[Tk, P]` and the layer's `w_kv_b` `[H * (Dn + Dv), R]`, attended in `form`."""
+    `k_pe` `[Tk, P]` and the layer's `w_kv_b` `[H * (Dn + Dv), R]`, attended in `form` and
+    `precision` (`latent_attention`'s)."""
 
     kv_c: TensorRef
     k_pe: TensorRef
     w_kv_b: TensorRef
     form: str
+    precision: str = "auto"
 
 
 @dataclass(frozen=True)

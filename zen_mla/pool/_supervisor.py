@@ -192,6 +192,7 @@ class WorkerPool:
         loop: asyncio.AbstractEventLoop | None = None,
         reply: Reply | None = None,
         caller: Hashable = None,
+        precision: str = "auto",
     ) -> PoolJob:
         """Queue a validated batch with a selected kernel name. q, k and v lying in `inputs`
         are read in place (else copied into shared memory once); `outputs` says where `out` and
@@ -204,8 +205,9 @@ class WorkerPool:
         `caller`: who asks (any hashable name); queued tasks take turns between callers.
 
         A `LatentBatch` (keys and values as MLA's latent cache) is run in the form `kernel`
-        names ("expand", "absorb" or "auto"), its `w_kv_b` read in place like its other inputs
-        (a weight registered once lies in a buffer of its own, given in `inputs`)."""
+        names ("expand", "absorb" or "auto") and in `precision`, its `w_kv_b` read in place
+        like its other inputs (a weight registered once lies in a buffer of its own, given in
+        `inputs`)."""
         if self._closing:
             raise PoolClosedError("the worker pool is shut down")
         tq, h, _ = batch.q.shape
@@ -229,9 +231,9 @@ class WorkerPool:
             raise
 
         refs = [tensor_ref(home, t) for home, t in zip(homes, tensors, strict=True)]
-        latent = (
-            Latent(refs[1], refs[2], refs[3], kernel) if isinstance(batch, LatentBatch) else None
-        )
+        latent = None
+        if isinstance(batch, LatentBatch):
+            latent = Latent(refs[1], refs[2], refs[3], kernel, precision)
         k, v = (None, None) if latent is not None else (refs[1], refs[2])
         job = PoolJob(kernel=kernel)
         buffers = list({id(b): b for b in (*homes, out_buf)}.values())

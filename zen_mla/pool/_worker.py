@@ -303,7 +303,7 @@ def _run_latent(spec: TaskSpec, latent: Latent, mapped: _Mapped) -> None:
     """The pieces over the latent cache: each piece's heads take their rows of `w_kv_b`."""
     import torch
 
-    from zen_mla.attention.latent import Form, latent_attention
+    from zen_mla.attention.latent import Form, Precision, latent_attention
 
     q, out = mapped.tensor(spec.q), mapped.tensor(spec.out)
     kv_c, k_pe, w = (mapped.tensor(r) for r in (latent.kv_c, latent.k_pe, latent.w_kv_b))
@@ -320,12 +320,16 @@ def _run_latent(spec: TaskSpec, latent: Latent, mapped: _Mapped) -> None:
             torch.tensor(piece.q_cu),
             torch.tensor(piece.kv_cu),
         )
-        form = cast(Form, latent.form)  # one of FORMS: checked where the request was read
+        # one of FORMS and PRECISIONS: checked where the request was read
+        form, precision = cast(Form, latent.form), cast(Precision, latent.precision)
         if lse is None:  # its LSE not asked: nothing spent on it
-            out[qs, h] = latent_attention(*args, causal=spec.causal, scale=spec.scale, form=form)
+            out[qs, h] = latent_attention(
+                *args, causal=spec.causal, scale=spec.scale, form=form, precision=precision
+            )
             continue
         got, got_lse = latent_attention(
-            *args, causal=spec.causal, return_lse=True, scale=spec.scale, form=form
-        )
+            *args, causal=spec.causal, return_lse=True, scale=spec.scale, form=form,
+            precision=precision,
+        )  # fmt: skip
         out[qs, h] = got
         lse[h, qs] = got_lse

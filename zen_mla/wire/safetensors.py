@@ -69,8 +69,8 @@ def viewable(shape: Sequence[int]) -> bool:
 
 MAX_REQUEST_ID = 128  # characters of a request id (echoed and logged)
 REQUEST_METADATA = frozenset({"causal", "return_lse", "scale", "kernel", "request_id"})
-#: and these options: how it is attended, and the registered weight it names
-LATENT_METADATA = frozenset({"form", "weight"})
+#: and these options: how it is attended, in what precision, and the registered weight it names
+LATENT_METADATA = frozenset({"form", "precision", "weight"})
 #: a registered weight's name (`PUT /weights/{name}`; a latent request's `weight`)
 WEIGHT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -205,9 +205,11 @@ class PrefillOptions:
     scale: float | None = None
     kernel: str = "auto"
     request_id: str | None = None
-    # a request over the latent cache: how it is attended, and the registered w_kv_b it names
+    # a request over the latent cache: how it is attended, in what precision, and the
+    # registered w_kv_b it names
     form: str = "auto"
     weight: str | None = None
+    precision: str = "auto"
 
 
 def _flag(meta: Mapping[str, str], key: str, default: bool) -> bool:
@@ -269,6 +271,7 @@ def parse_options(meta: Mapping[str, str], *, latent: bool = False) -> PrefillOp
         request_id=request_id,
         form=meta.get("form", "auto"),
         weight=weight,
+        precision=meta.get("precision", "auto"),
     )
 
 
@@ -281,6 +284,7 @@ def options_metadata(
     request_id: str | None = None,
     form: str | None = None,
     weight: str | None = None,
+    precision: str | None = None,
 ) -> dict[str, str]:
     meta = {"causal": str(causal).lower(), "return_lse": str(return_lse).lower(), "kernel": kernel}
     if scale is not None:
@@ -291,6 +295,8 @@ def options_metadata(
         meta["form"] = form
     if weight is not None:
         meta["weight"] = weight
+    if precision is not None:
+        meta["precision"] = precision
     return meta
 
 
