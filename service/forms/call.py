@@ -10,6 +10,14 @@ checked by the socket's hello.
     -> {"ok": false, "call": n, "status": 4xx/5xx, "error": detail, <the problem body's
         fields>, "retry_after": seconds (429, 503)}
 
+A `weight` frame registers the weight where it lies in one of the caller's regions (a regions
+JSON body `{"w_kv_b": place}`, `forms.weight`: copied into the service's memory, charged to
+the caller), answered with the entry `GET /weights` lists, as a JSON string:
+
+    {"op": "weight", "name": "<name>", "call": n, "body": "<the regions JSON>"}
+    -> {"ok": true, "call": n, "body": "{\"name\": ..., \"shape\": ..., \"dtype\": ...,
+        \"bytes\": ...}"}
+
 The error reply carries what a problem+json does (`problems.problem_body`: type, detail, tensor,
 expected, got, hint), so the client raises the class the service raised, through its one table.
 
@@ -23,20 +31,33 @@ service's 504 and the worker's reply both come, numbered: the client keeps the f
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from zen_mla import InvalidInputError, OverloadedError, ZenMLAError
 from zen_mla.engine import PrefillRequest, Reply
-from zen_mla.regions import RegionRegistry, encode_frame
+from zen_mla.regions import encode_frame
+from zen_mla.wire import regions_json
 
 from ..doors import Door
 from ..problems import problem_body
 from ..settings import Settings
+from ..state import ServiceState
 from .base import Computed, Expect, Form, RequestRecord
 from .regions import RegionsRequest
+from .weight import WeightRequest
 
-__all__ = ["MAX_CALL", "ROUTE", "CallForm", "Frame", "refusal"]
+__all__ = [
+    "MAX_CALL",
+    "ROUTE",
+    "CallForm",
+    "Frame",
+    "WeightCallForm",
+    "check_call",
+    "numbered",
+    "refusal",
+]
 
 ROUTE = "socket"  # the metrics' and the log line's name for these calls
 
@@ -53,21 +74,15 @@ class CallForm(RegionsRequest, Form["Frame | None"]):
 
     route = ROUTE
 
-    def __init__(self, registry: RegionRegistry | None, call: object, fd: int) -> None:
-        super().__init__(registry)
+    def __init__(self, state: ServiceState, call: object, fd: int) -> None:
+        super().__init__(state.regions, state)
         self.call = call
         self.fd = fd
-        ok = type(call) is int and 0 <= call <= MAX_CALL
-        self.numbered: Frame = {"call": call} if ok else {}
+        self.numbered = numbered(call)
         self.frame: Frame = {}
 
     def expect(self, settings: Settings, door: Door) -> Expect:
-        if self.call is not None and not self.numbered:
-            raise InvalidInputError(
-                "call",
-                f"a whole number from 0 to {MAX_CALL} (the call's count)",
-                f"{self.call!r:.40}",
-            )
+        check_call(self.call, self.numbered)
         return super().expect(settings, door)
 
     def reply(self, prepared: PrefillRequest) -> Reply | None:
@@ -90,6 +105,47 @@ class CallForm(RegionsRequest, Form["Frame | None"]):
 
     def _request_id(self) -> str | None:
         return self.resolved.options.request_id if self.resolved is not None else None
+
+
+class WeightCallForm(WeightRequest, Form["Frame"]):
+    """A `weight` frame: a weight registered from the caller's region, answered by its entry."""
+
+    def __init__(self, state: ServiceState, name: object, call: object) -> None:
+        super().__init__(state, regions_json.MEDIA_TYPE, name if isinstance(name, str) else "")
+        self.given = name
+        self.call = call
+        self.numbered = numbered(call)
+
+    def expect(self, settings: Settings, door: Door) -> Expect:
+        check_call(self.call, self.numbered)
+        if not isinstance(self.given, str):
+            raise InvalidInputError(
+                "name", "the weight's name, a string", type(self.given).__name__
+            )
+        return super().expect(settings, door)
+
+    async def answer(self, result: Computed | None, record: RequestRecord) -> Frame:
+        assert self.weight is not None
+        return {"ok": True, **self.numbered, "body": json.dumps(self.weight.entry())}
+
+    def refuse(self, exc: ZenMLAError, record: RequestRecord, headers: dict[str, str]) -> Frame:
+        return refusal(exc) | self.numbered
+
+    def hung_up(self) -> Frame:
+        return {"ok": False, **self.numbered, "status": 499}
+
+
+def numbered(call: object) -> Frame:
+    """The reply's `call` field: the frame's own, where it is a call's count."""
+    return {"call": call} if type(call) is int and 0 <= call <= MAX_CALL else {}
+
+
+def check_call(call: object, numbered: Frame) -> None:
+    """A `call` given is a call's count (InvalidInputError naming it otherwise)."""
+    if call is not None and not numbered:
+        raise InvalidInputError(
+            "call", f"a whole number from 0 to {MAX_CALL} (the call's count)", f"{call!r:.40}"
+        )
 
 
 def refusal(exc: ZenMLAError, request_id: str | None = None) -> Frame:

@@ -2,7 +2,11 @@
 the body names places, the workers read and write the client's memory, and the answer names
 where the results are. `RegionsRequest` reads such a body (over HTTP or in a region-socket
 frame, `forms.call`); `RegionsForm` answers it over HTTP. The pipeline (`pipeline.serve`)
-admits, queues and times them as any request."""
+admits, queues and times them as any request.
+
+A body naming `kv_c` and `k_pe` in place of `k` and `v` is a request over MLA's latent cache, as
+in a safetensors body: its `__metadata__.weight` names one of its caller's registered weights,
+leased for each call (never kept with what the body resolved to)."""
 
 from __future__ import annotations
 
@@ -14,19 +18,29 @@ from fastapi.responses import Response
 
 from zen_mla import InvalidInputError, ZenMLAError, wire
 from zen_mla.attention import KernelChoice
+from zen_mla.caller import Caller
 from zen_mla.engine import OutputPlaces, PrefillEngine, PrefillRequest, SharedBuffer
 from zen_mla.regions import RegionRegistry
-from zen_mla.wire import REQUEST_TENSORS, PrefillOptions, parse_options, regions_json
+from zen_mla.wire import (
+    LATENT_TENSORS,
+    REQUEST_TENSORS,
+    PrefillOptions,
+    parse_options,
+    regions_json,
+)
 from zen_mla.wire.dtypes import BY_TORCH, safetensors_names
 
 from ..answer import answer_metadata, server_timing
 from ..doors import Door
 from ..problems import problem
 from ..settings import Settings
+from ..state import ServiceState
 from .base import Computed, Expect, Form, RequestRecord, Work
+from .weight import latent_lease
 
 __all__ = ["RESOLVED_KEPT", "RegionsForm", "RegionsRequest", "Resolved", "answer_body"]
 
+_INPUTS = REQUEST_TENSORS | LATENT_TENSORS
 _VALUES = safetensors_names("value")
 _INDEXES = safetensors_names("index")
 
@@ -37,7 +51,7 @@ RESOLVED_KEPT = 64
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """What a body resolved to: its tensors (views of the client's regions), its options, the
-    places it names, the buffers q, k and v lie in, and where out (and lse) are written. All of
+    places it names, the buffers its inputs lie in, and where out (and lse) are written. All of
     it holds while its regions stay; only the validation runs again each call (cu_seq_lens live
     in the client's memory)."""
 
@@ -56,10 +70,13 @@ class RegionsRequest:
     An orchestrator sends the same body layer after layer: what a body resolved to is kept
     (~25 us of Python a body, in `RegionRegistry.memo`) while every region it names stays, and
     only the validation runs again (the batch's offsets are read from the client's memory each
-    call). A body is kept once it validated."""
+    call). A body is kept once it validated. `state`: where the weights a latent body names are
+    (None: a reader that only resolves bodies)."""
 
-    def __init__(self, registry: RegionRegistry | None) -> None:
+    def __init__(self, registry: RegionRegistry | None, state: ServiceState | None = None) -> None:
         self._registry = registry
+        self.state = state
+        self.caller: Caller | None = None
         self.resolved: Resolved | None = None
         self._key: tuple[str, bytes] = ("resolved", b"")
 
@@ -70,15 +87,19 @@ class RegionsRequest:
         return self._registry
 
     def expect(self, settings: Settings, door: Door) -> Expect:
+        self.caller = door.caller
         return Expect(wire.MAX_HEADER_BYTES, small=True)
 
     async def decode(
         self, body: SharedBuffer | bytes, engine: PrefillEngine, record: RequestRecord
     ) -> Work:
-        assert isinstance(body, bytes)
+        assert isinstance(body, bytes) and self.state is not None
         resolved = self.resolve(body)
         record.request_id = resolved.options.request_id
-        return Work(resolved.tensors, resolved.options, inputs=resolved.inputs)
+        tensors = dict(resolved.tensors)  # a weight lent to this call joins this call's alone
+        weight, leases = latent_lease(self.state, self.caller, resolved.options, tensors)
+        inputs = [*resolved.inputs, *weight]
+        return Work(tensors, resolved.options, inputs=inputs, leases=leases)
 
     def resolve(self, body: bytes) -> Resolved:
         """The body's tensors and places (kept, or resolved now; outputs not placed yet)."""
@@ -90,15 +111,16 @@ class RegionsRequest:
             self.resolved = kept
             return kept
         message = regions_json.decode(body, regions_json.REQUEST_NAMES)
-        options = parse_options(message.metadata)
+        options = parse_options(message.metadata, latent=True)
         places = message.places
         tensors = {
             name: registry.tensor(name, place, _INDEXES if name.endswith("seq_lens") else _VALUES)
             for name, place in places.items()
-            if name in REQUEST_TENSORS
+            if name in _INPUTS
         }
         # a tensor not named is left to the validation, which names it
-        inputs = [registry.resolve(places[n].region).buffer for n in ("q", "k", "v") if n in places]
+        values = ("q", "k", "v", "kv_c", "k_pe")
+        inputs = [registry.resolve(places[n].region).buffer for n in values if n in places]
         self.resolved = Resolved(tensors, options, places, inputs, None)
         return self.resolved
 
@@ -124,7 +146,7 @@ class RegionsRequest:
         }
         if resolved.options.return_lse:
             wanted["lse"] = ((batch.num_heads, batch.q.shape[0]), torch.float32)
-        extra = sorted(set(places) - set(REQUEST_TENSORS) - set(wanted))
+        extra = sorted(set(places) - _INPUTS - set(wanted))
         if extra:
             raise InvalidInputError(
                 extra[0], "no place for it (lse is written only with return_lse)", "one"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from fastapi import Response
 
-from zen_mla import InvalidInputError, UnsupportedMediaTypeError, ZenMLAError, wire
+from zen_mla import UnsupportedMediaTypeError, ZenMLAError, wire
 from zen_mla.caller import Caller
 from zen_mla.engine import PrefillEngine, SharedBuffer
 from zen_mla.wire import regions_json
@@ -23,7 +23,7 @@ from ..problems import problem
 from ..settings import Settings
 from ..state import ServiceState
 from .base import Computed, Expect, Form, RequestRecord, Work
-from .weight import lend_weight
+from .weight import latent_lease
 
 _TENSORS = wire.REQUEST_TENSORS | wire.LATENT_TENSORS
 
@@ -61,24 +61,8 @@ class SafetensorsForm(Form[Response]):
         tensors, meta = wire.decode(body.tensor(0, (n,), torch.uint8), _TENSORS)
         record.request_id = meta.get("request_id")
         options = wire.parse_options(meta, latent=True)
-        if "kv_c" not in tensors:
-            if options.weight is not None:
-                raise InvalidInputError(
-                    "__metadata__.weight",
-                    "none without kv_c (a request over the latent cache)",
-                    repr(options.weight),
-                )
-            return Work(tensors, options, inputs=body)
-        if options.weight is None:
-            raise InvalidInputError(
-                "__metadata__.weight",
-                "the name of a registered w_kv_b beside kv_c (PUT /weights/{name})",
-                "none",
-            )
-        weight, lease = lend_weight(
-            self.state, self.caller, options.weight, "__metadata__.weight", tensors
-        )
-        return Work(tensors, options, inputs=[body, weight], leases=(lease,))
+        weight, leases = latent_lease(self.state, self.caller, options, tensors)
+        return Work(tensors, options, inputs=[body, *weight], leases=leases)
 
     async def answer(self, result: Computed | None, record: RequestRecord) -> Response:
         assert result is not None

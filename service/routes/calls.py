@@ -1,6 +1,7 @@
-"""Prefill calls on the region socket, with no HTTP on their way: the `RegionServer`'s `calls`
-hook. A call is a prefill frame (`forms.call`) come in by the socket's door (`doors.CallDoor`),
-and goes through the one pipeline as any request (`pipeline.serve`)."""
+"""Calls on the region socket, with no HTTP on their way: the `RegionServer`'s `calls` hook. A
+prefill frame, or a weight registered from a region (`forms.call`), comes in by the socket's
+door (`doors.CallDoor`) and goes through the one pipeline as any request (`pipeline.serve`); a
+weight is forgotten as `DELETE /weights/{name}` forgets it, for the socket's caller."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import asyncio
 import functools
 from typing import Any
 
+from zen_mla import ZenMLAError, wire
 from zen_mla.caller import Caller
 from zen_mla.regions import Calls
 
 from ..doors import CallDoor
-from ..forms.call import CallForm, Frame
+from ..forms.call import CallForm, Frame, WeightCallForm, check_call, numbered, refusal
+from ..forms.weight import weights_of
 from ..pipeline import serve
 from ..state import ServiceState
 
@@ -32,5 +35,22 @@ async def _call(
     uid: int | None,
     tenant: Caller | None,
 ) -> Frame | None:
-    form = CallForm(state.regions, message.get("call"), fd)
-    return await serve(state, CallDoor(message, gone, uid, tenant), form)
+    door = CallDoor(message, gone, uid, tenant)
+    call = message.get("call")
+    op = message.get("op")
+    if op == "weight":
+        return await serve(state, door, WeightCallForm(state, message.get("name"), call))
+    if op == "forget":
+        return _forget(state, door, message.get("name"), call)
+    return await serve(state, door, CallForm(state, call, fd))
+
+
+def _forget(state: ServiceState, door: CallDoor, name: object, call: object) -> Frame:
+    """The socket's caller's weight `name` forgotten (`DELETE /weights/{name}`'s rule)."""
+    reply = numbered(call)
+    try:
+        check_call(call, reply)
+        weights_of(state).forget(door.caller, wire.check_weight_name("name", name))
+    except ZenMLAError as exc:
+        return refusal(exc) | reply
+    return {"ok": True, **reply}

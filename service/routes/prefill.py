@@ -50,7 +50,7 @@ def add_routes(app: FastAPI, state: ServiceState) -> None:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         form: Form[Response]
         if media == regions_json.MEDIA_TYPE and state.regions is not None:
-            form = RegionsForm(state.regions)
+            form = RegionsForm(state.regions, state)
         else:
             form = SafetensorsForm(state, media)
         return await serve(state, HttpDoor(request), form)

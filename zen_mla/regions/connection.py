@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import mmap
 import os
@@ -156,6 +157,24 @@ class RegionConnection:
     def unregister(self, handle: str) -> None:
         with contextlib.suppress(OSError, ZenMLAError):
             self._call({"op": "unregister", "region": handle})
+
+    def weight(self, name: str, place: TensorPlace) -> dict[str, Any]:
+        """Register the weight `name` (a layer's `w_kv_b`) from where it lies in one of this
+        connection's regions (the service keeps a copy): its entry, as `GET /weights` lists
+        it. The ZenMLAError the service answered, where it refused."""
+        body = regions_json.encode({"w_kv_b": place}).decode()
+        reply = self._call({"op": "weight", "name": name, "body": body})
+        try:
+            entry = json.loads(str(reply.get("body")))
+        except ValueError as exc:
+            raise ProtocolError(f"the region socket's weight entry: {exc}"[:300]) from exc
+        if not isinstance(entry, dict):
+            raise ProtocolError("the region socket's weight entry is no JSON object")
+        return entry
+
+    def forget(self, name: str) -> None:
+        """Forget the weight `name` this client registered (on any of its connections)."""
+        self._call({"op": "forget", "name": name})
 
     def close(self) -> None:
         self._sock.close()  # the service drops every region of this connection

@@ -15,7 +15,8 @@ idle authenticated connection stays open: it is the lifetime of its client's reg
 
 Where the service passes a `calls` hook, a connection that said hello may also send a `prefill`
 frame (a call, with no HTTP on its way): the hook answers it, or has a worker write the reply
-to the connection's descriptor itself. While a call runs, the connection is not read (a second
+to the connection's descriptor itself. So it answers `weight` and `forget` frames (a weight
+registered from a region, or forgotten). While a call runs, the connection is not read (a second
 frame waits in the socket until the call is over); it is only watched for its end (a peek),
 which the hook sees as `gone` resolving.
 """
@@ -44,9 +45,13 @@ from ..errors import (
 from .protocol import FrameError, FrameReader, descriptors, encode_frame, listen, peer_uid
 from .registry import Region, RegionRegistry
 
-__all__ = ["Authorize", "Calls", "RegionServer"]
+__all__ = ["CALL_OPS", "Authorize", "Calls", "RegionServer"]
 
-#: the service's answer to a `prefill` frame: (the frame, a future that resolves when the client
+#: the frames a `calls` hook answers: a prefill, and a weight registered from a region or
+#: forgotten (`docs/protocol.md`, "Calls on the region socket")
+CALL_OPS = ("prefill", "weight", "forget")
+
+#: the service's answer to a frame of `CALL_OPS`: (the frame, a future that resolves when the client
 #: hangs up, the connection's descriptor, the peer's uid, whom its hello's token named) -> the
 #: reply, or None where a worker wrote it to the descriptor itself (whole, or the connection
 #: shut down)
@@ -199,7 +204,7 @@ class RegionServer:
                 return
         if client.greeted:
             self._stop_timer(client)
-            if message.get("op") == "prefill" and self._calls is not None and client.fd is None:
+            if message.get("op") in CALL_OPS and self._calls is not None and client.fd is None:
                 self._call(client, message, self._calls)
                 return
         try:
@@ -259,7 +264,9 @@ class RegionServer:
             if op == "unregister":
                 self.registry.unregister(str(message.get("region", "")), client.regions)
                 return {"ok": True}
-            ops = "hello, register, unregister" + (" or prefill" if self._calls else "")
+            ops = "hello, register, unregister" + (
+                ", " + ", ".join(CALL_OPS) if self._calls else ""
+            )
             raise InvalidInputError("op", ops, f"{op!r:.40}")
         except ZenMLAError as exc:
             return _refusal(status_of(exc), str(exc))

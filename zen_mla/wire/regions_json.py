@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ..errors import InvalidInputError, WireFormatError
 from .dtypes import BY_SAFETENSORS
 from .safetensors import (
+    LATENT_TENSORS,
     MAX_DIM,
     MAX_HEADER_BYTES,
     MAX_METADATA_VALUE,
@@ -178,5 +179,6 @@ def _decoded(body: bytes, names: frozenset[str]) -> RegionMessage:
     return RegionMessage({n: _place(n, p) for n, p in raw.items()}, dict(metadata))
 
 
-#: what a request may name: its inputs and where its outputs go
-REQUEST_NAMES = REQUEST_TENSORS | RESPONSE_TENSORS
+#: what a request may name: its inputs (k and v, or MLA's latent kv_c and k_pe) and where its
+#: outputs go
+REQUEST_NAMES = REQUEST_TENSORS | LATENT_TENSORS | RESPONSE_TENSORS
