@@ -4,20 +4,24 @@ regions JSON body, and on the region socket, a `weight` frame), copied and charg
 before the copy; latent requests naming `kv_c` and `k_pe` in a region, over HTTP and on the
 socket, answered equal to in-process `latent_attention`; the weight unchanged when the client
 writes its region after; a weight forgotten on the socket; bad places refused naming
-`w_kv_b`, the service healthy after."""
+`w_kv_b`, the service healthy after; the clients' latent calls on the region socket."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import re
 
 import pytest
 import torch
 
+from tests.processes import wait_for
 from tests.service.region_clients import REGION_JSON, region_socket
 from tests.service.servers import serve, server_fixture
 from zen_mla import ZenMLAError
 from zen_mla.attention.latent import latent_attention
+from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.regions.connection import ClientRegion, RegionConnection
 from zen_mla.regions.protocol import call_fields
 from zen_mla.wire import regions_json as rr
@@ -204,3 +208,63 @@ def test_a_latent_region_request_without_its_weight_is_refused_naming_it(server)
         assert reply["status"] == 422 and reply["tensor"] == "__metadata__.weight", reply
         with pytest.raises(ZenMLAError, match="no weight named 'never'"):
             conn.forget("never")
+
+
+def _counted(c, route: str) -> float:
+    """`zen_mla_requests_total` for `route`'s 200s, from /metrics."""
+    pattern = re.compile(rf'^zen_mla_requests_total\{{route="{route}",status="200"\}} (\S+)$')
+    for line in c.get("/metrics").text.splitlines():
+        if m := pattern.match(line):
+            return float(m.group(1))
+    return 0.0
+
+
+def _reaches(c, route: str, count: float) -> None:
+    """`route`'s 200s reach `count` (a worker writes a socket call's reply before the service
+    counts it)."""
+    wait_for(lambda: _counted(c, route) >= count, 10, lambda: f"{route}: {_counted(c, route)}")
+    assert _counted(c, route) == count
+
+
+def test_the_clients_take_the_region_socket_for_latent_calls(server):
+    """With shared memory, `prefill_latent` registers its weight on the region socket from a
+    region and calls there (no body over HTTP), both twins; a weight forgotten behind the
+    client's back is registered again; `forget_weight` forgets it there."""
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(H * (NOPE + DV), RANK, generator=gen) / RANK**0.5).bfloat16()
+    q = torch.randn(37, H, NOPE + ROPE, generator=gen).bfloat16()
+    kv_c = torch.randn(100, RANK, generator=gen).bfloat16()
+    k_pe = torch.randn(100, ROPE, generator=gen).bfloat16()
+    q_cu, kv_cu = torch.tensor([0, 7, 37]).int(), torch.tensor([0, 70, 100]).int()
+    want, want_lse = latent_attention(q, kv_c, k_pe, w, q_cu, kv_cu, return_lse=True)
+    args = (q, kv_c, k_pe, "client-w", q_cu, kv_cu)
+    with server.client() as c:
+        calls, weights = _counted(c, "socket"), _counted(c, "weights")
+        with PrefillClient(server.url, token="token-a", shared_memory=True) as client:
+            client.register_weight("client-w", w)
+            for _ in range(2):
+                out, lse = client.prefill_latent(*args, return_lse=True)
+                assert (out.float() - want.float()).abs().max().item() <= 2**-6
+                assert (lse - want_lse).abs().max().item() <= 1e-4
+            _reaches(c, "socket", calls + 2)
+            _reaches(c, "weights", weights + 1)
+            assert "client-w" in _names(c, A)
+            assert c.delete("/weights/client-w", headers=A).status_code == 204
+            out = client.prefill_latent(*args, form="absorb")
+            assert (out.float() - want.float()).abs().max().item() <= 2**-6
+            assert "client-w" in _names(c, A) and _counted(c, "weights") == weights + 2
+            client.forget_weight("client-w")
+            assert "client-w" not in _names(c, A)
+
+        async def over_asyncio() -> None:
+            async with AsyncPrefillClient(server.url, token="token-a", shared_memory=True) as a:
+                a.register_weight("async-w", w)
+                got = await a.prefill_latent(*args[:3], "async-w", q_cu, kv_cu, form="expand")
+                assert (got.float() - want.float()).abs().max().item() <= 2**-6
+                assert "async-w" in _names(c, A)
+                await a.forget_weight("async-w")
+
+        calls = _counted(c, "socket")
+        asyncio.run(over_asyncio())
+        _reaches(c, "socket", calls + 1)
+        assert "async-w" not in _names(c, A)

@@ -205,7 +205,7 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         """As `PrefillClient.forget_weight`."""
         deadline = self._deadline()
         async with _async_call(deadline):
-            for ep in self._weights.drop(name):
+            for ep in await asyncio.to_thread(self._forgotten_by, name):
                 await self._send(ep, self._weight_delete(name), deadline)
 
     async def prefill_latent(
@@ -245,6 +245,14 @@ class AsyncPrefillClient(BaseClient[httpx.AsyncClient]):
         self, ep: Endpoint[httpx.AsyncClient], pending: ClientRequest
     ) -> PrefillOutput:
         """As `PrefillClient._latent_attempt`."""
+        regions = await self._regions_for(ep, pending.deadline, for_call=True)
+        if regions is not None and regions.connection.calls:
+            try:
+                result = await asyncio.to_thread(pending.latent_over_socket, regions, ep)
+                if result is not None:
+                    return result
+            except NoRegionError:
+                await self._refused(ep)
         name, weights = pending.weight, self._weights
         assert name is not None
         for again in (False, True):

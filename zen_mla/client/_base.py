@@ -19,6 +19,7 @@ from .. import wire
 from ..deadline import HEADER, seconds_text
 from ..errors import (
     InvalidInputError,
+    NotFoundError,
     OverloadedError,
     ServiceUnavailableError,
     SharedMemoryUnavailableError,
@@ -26,11 +27,12 @@ from ..errors import (
 )
 from ..regions.connection import Layout, RegionSet, prefill_fields
 from ..wire import regions_json
+from ..wire.dtypes import BY_SAFETENSORS
 from ._answers import AnswerSpec, Bytes, PrefillOutput, answered, called, decoded
 from ._deadline import CONNECT_SHARE, Deadline, call_budget
 from ._endpoints import Balancer, Endpoint, weigh, where
 from ._inputs import checked_tensors
-from ._latent import MAX_REGISTER_ANSWER, Weights, check_latent
+from ._latent import HTTP, MAX_REGISTER_ANSWER, SOCKET, Way, Weights, check_latent
 from ._memory import AnswerMemory
 from ._names import Lookups
 from ._offers import Offer, offered
@@ -182,7 +184,13 @@ class ClientRequest:
         error itself with `shared_memory=True`, else NoRegionError: the request goes over TCP, with
         the same answer. Blocking: it copies the tensors in."""
         with contextlib.ExitStack() as stack:
-            request = regions.request(self.tensors, self.outputs.return_lse, self.outputs.into)
+            shape, dtype = self.outputs.want["out"]
+            # over the latent cache there is no v to take out's shape from
+            out_like = None if "v" in self.tensors else (shape, BY_SAFETENSORS[dtype].torch)
+            outputs = self.outputs
+            request = regions.request(
+                self.tensors, outputs.return_lse, outputs.into, out_like=out_like
+            )
             try:
                 layout = stack.enter_context(request)
             except (ZenMLAError, OSError) as exc:
@@ -212,6 +220,31 @@ class ClientRequest:
         if reply is None:
             return None
         return called(reply, layout, self.outputs, self.device, self._client._answer_memory)
+
+    def latent_over_socket(self, regions: RegionSet, ep: Endpoint[Any]) -> PrefillOutput | None:
+        """A call over the latent cache on the region socket: its weight registered there from a
+        region first where it is not yet, and again where the service answers it has none; None
+        where the socket is busy with another call (the caller goes over HTTP), NoRegionError
+        where no region can be had now (`laid_out`). Blocking, bounded by the deadline."""
+        assert self.weight is not None
+        try:
+            return self._latent_once(regions, ep, self.weight)
+        except NotFoundError:  # the weight is gone there (forgotten behind the client's back)
+            self._client._weights.mark(ep, self.weight, False, SOCKET)
+            return self._latent_once(regions, ep, self.weight)
+
+    def _latent_once(
+        self, regions: RegionSet, ep: Endpoint[Any], name: str
+    ) -> PrefillOutput | None:
+        weights = self._client._weights
+        if not weights.held(ep, name, SOCKET):
+            try:
+                regions.weight(name, weights.tensor(name))
+            except SharedMemoryUnavailableError as exc:
+                raise ServiceUnavailableError(f"the service's region socket: {exc}") from exc
+            weights.mark(ep, name, True, SOCKET)
+        with self.laid_out(regions) as layout:
+            return self.over_socket(regions, layout)
 
     def decoded(self, status: int, body: Bytes, headers: httpx.Headers) -> PrefillOutput:
         """The results in the answer to `post()`."""
@@ -382,6 +415,22 @@ class BaseClient(Generic[H]):
 
     def _weight_delete(self, name: str) -> Exchange:
         return Exchange("DELETE", f"/weights/{name}", MAX_REGISTER_ANSWER, None, self._auth({}))
+
+    def _forgotten_by(self, name: str) -> list[Endpoint[H]]:
+        """Forget `name` here, and on the region sockets that hold it (blocking; a socket
+        closed since took the weight's registration with it only where the service went);
+        the endpoints to tell over HTTP (`_weight_delete`)."""
+        over_http = []
+        way: Way
+        for ep, way in self._weights.drop(name):
+            if way == HTTP:
+                over_http.append(ep)
+                continue
+            regions = ep.offer.regions if ep.offer is not None else None
+            if regions is not None and not regions.connection.closed:
+                with contextlib.suppress(ZenMLAError):
+                    regions.connection.forget(name)
+        return over_http
 
     def _offered(self, status: int, body: Bytes) -> Offer:
         """The regions a /health answer offers (`_offers.offered`). Blocking."""

@@ -1,7 +1,10 @@
 """Calls over MLA's latent cache, as the twins make them: the weights a client registers
 (`Weights`: kept here by name, registered with each endpoint the first time a call takes one
 there, and again where the endpoint answers that it has none: a restarted service), and the
-latent request (`latent_request`), sent as a safetensors `/prefill` naming its weight."""
+latent request, sent as a safetensors `/prefill` naming its weight, or on the region socket
+where the endpoint offers one (the weight registered there from a region: on the socket the
+caller is the user, or the hello's tenant, not the peer's address as over HTTP, so each way
+holds its own registration)."""
 
 from __future__ import annotations
 
@@ -16,20 +19,24 @@ from ..wire.dtypes import BY_SAFETENSORS, BY_TORCH
 from ._answers import AnswerSpec, Bytes, problem
 from ._endpoints import Endpoint, weigh
 
-__all__ = ["MAX_REGISTER_ANSWER", "Weights", "check_latent", "registered"]
+__all__ = ["HTTP", "MAX_REGISTER_ANSWER", "SOCKET", "Way", "Weights", "check_latent", "registered"]
 
 #: of a registration's JSON answer
 MAX_REGISTER_ANSWER = 64 << 10
+#: the ways a weight is registered with an endpoint
+HTTP, SOCKET = "http", "socket"
+Way = str
 
 
 class Weights:
-    """The weights a client registered, by name, and the names each endpoint holds. One lock
-    guards both (any thread of the sync twin's callers)."""
+    """The weights a client registered, by name, and the names each endpoint holds, by the way
+    they were registered there (`HTTP`, `SOCKET`). One lock guards both (any thread of the sync
+    twin's callers)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tensors: dict[str, torch.Tensor] = {}
-        self._held: dict[Endpoint[Any], set[str]] = {}
+        self._held: dict[tuple[Endpoint[Any], Way], set[str]] = {}
 
     def add(self, name: str, w_kv_b: torch.Tensor) -> None:
         """`w_kv_b` as the weight `name` from now on (a CPU copy where it is not one)."""
@@ -57,23 +64,23 @@ class Weights:
             )
         return found
 
-    def drop(self, name: str) -> list[Endpoint[Any]]:
-        """Forget `name` here; the endpoints that hold it, to be told."""
+    def drop(self, name: str) -> list[tuple[Endpoint[Any], Way]]:
+        """Forget `name` here; the endpoints that hold it, and by which way, to be told."""
         with self._lock:
             if self._tensors.pop(name, None) is None:
                 raise InvalidInputError("name", "a weight this client registered", repr(name))
-            holding = [ep for ep, names in self._held.items() if name in names]
-            for ep in holding:
-                self._held[ep].discard(name)
+            holding = [key for key, names in self._held.items() if name in names]
+            for key in holding:
+                self._held[key].discard(name)
         return holding
 
-    def held(self, ep: Endpoint[Any], name: str) -> bool:
+    def held(self, ep: Endpoint[Any], name: str, way: Way = HTTP) -> bool:
         with self._lock:
-            return name in self._held.get(ep, ())
+            return name in self._held.get((ep, way), ())
 
-    def mark(self, ep: Endpoint[Any], name: str, held: bool) -> None:
+    def mark(self, ep: Endpoint[Any], name: str, held: bool, way: Way = HTTP) -> None:
         with self._lock:
-            names = self._held.setdefault(ep, set())
+            names = self._held.setdefault((ep, way), set())
             if held:
                 names.add(name)
             else:

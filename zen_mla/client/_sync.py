@@ -213,7 +213,7 @@ class PrefillClient(BaseClient[httpx.Client]):
         """Forget the weight `name` here and at every endpoint that holds it."""
         deadline = self._deadline()
         with call_deadline(deadline):
-            for ep in self._weights.drop(name):
+            for ep in self._forgotten_by(name):
                 self._send(ep, self._weight_delete(name), deadline)
 
     def prefill_latent(
@@ -252,8 +252,18 @@ class PrefillClient(BaseClient[httpx.Client]):
                 time.sleep(pending.wait)
 
     def _latent_attempt(self, ep: Endpoint[httpx.Client], pending: ClientRequest) -> PrefillOutput:
-        """A call over the latent cache: its weight registered there first where it is not
-        yet, and again where the endpoint answers it has none (a restarted service)."""
+        """A call over the latent cache: on the region socket where the endpoint offers one
+        (`ClientRequest.latent_over_socket`), else over HTTP, its weight registered there first
+        where it is not yet, and again where the endpoint answers it has none (a restarted
+        service)."""
+        regions = self._regions_for(ep, pending.deadline, for_call=True)
+        if regions is not None and regions.connection.calls:
+            try:
+                result = pending.latent_over_socket(regions, ep)
+                if result is not None:
+                    return result
+            except NoRegionError:
+                self._refused(ep)
         name, weights = pending.weight, self._weights
         assert name is not None
         for again in (False, True):

@@ -336,6 +336,14 @@ class RegionSet:
                     found[name] = region.place(offset, t)
         return found
 
+    def weight(self, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+        """Register `tensor` (a layer's `w_kv_b`) as the weight `name`: copied into a scratch
+        region and named there (`RegionConnection.weight`; the service keeps its own copy)."""
+        with self.scratch(tensor.nbytes) as region:
+            slot = region.slot(0, tuple(tensor.shape), tensor.dtype)
+            copy_into(slot.view, tensor)
+            return self.connection.weight(name, slot.place)
+
     @contextlib.contextmanager
     def scratch(self, nbytes: int) -> Iterator[ClientRegion]:
         """A scratch region of at least `nbytes`, this caller's until the block ends."""
@@ -362,21 +370,29 @@ class RegionSet:
         tensors: dict[str, torch.Tensor],
         return_lse: bool,
         out: torch.Tensor | None = None,
+        *,
+        out_like: tuple[tuple[int, ...], torch.dtype] | None = None,
     ) -> Iterator[Layout]:
         """Lay a request out in a scratch region (tensors in `empty()` regions are named where
         they lie, the others copied once) and yield where everything is; the region is this
         caller's until the block ends. An `out` of the caller's that lies in an `empty()`
         region, apart from the inputs, is named as the place to write (no copy back; not with
-        an LSE, which the service writes in out's region)."""
+        an LSE, which the service writes in out's region). `out_like`: the answer's shape and
+        dtype, where the request has no `v` to take them from (over MLA's latent cache)."""
         found = self._where_all(tensors if out is None or return_lse else {**tensors, "out": out})
         own_out = found.pop("out", None)
         if own_out is not None and any(_overlap(own_out, p) for p in found.values() if p):
             own_out = None  # the service writes no output over an input
         moved = {n: t for n, t in tensors.items() if found[n] is None}
         sizes = {n: _aligned(t.numel() * t.element_size()) for n, t in moved.items()}
-        q, v = tensors["q"], tensors["v"]
-        out_shape = (q.shape[0], q.shape[1], v.shape[2])
-        out_bytes = 0 if own_out is not None else _aligned(math.prod(out_shape) * v.element_size())
+        q = tensors["q"]
+        if out_like is None:
+            v = tensors["v"]
+            out_like = ((q.shape[0], q.shape[1], v.shape[2]), v.dtype)
+        out_shape, out_dtype = out_like
+        out_bytes = (
+            0 if own_out is not None else _aligned(math.prod(out_shape) * out_dtype.itemsize)
+        )
         lse_bytes = _aligned(q.shape[0] * q.shape[1] * 4) if return_lse else 0
         with self.scratch(sum(sizes.values()) + out_bytes + lse_bytes) as region:
             places = {n: p for n, p in found.items() if p is not None}
@@ -389,7 +405,7 @@ class RegionSet:
             if own_out is not None and out is not None:
                 places["out"], out_view = own_out, out
             else:
-                slot = region.slot(offset, out_shape, v.dtype)
+                slot = region.slot(offset, out_shape, out_dtype)
                 places["out"], out_view = slot.place, slot.view
             lse = None
             if return_lse:
