@@ -13,6 +13,10 @@ Routes, each a kind of caller:
 - `v2`: `/v2/models/mla_prefill/infer` with the binary tensor data extension (tritonclient).
 - `async`: tasks on one `AsyncPrefillClient()` in one event-loop thread: automatic, so a call
   takes the region socket, or regions JSON over HTTP while the other task holds the socket.
+- `latent_socket`, `latent_http`: `PrefillClient(shared_memory=True / False).prefill_latent`
+  over MLA's latent cache, each case's queries over a latent context of its keys' length: on
+  the region socket (the weight registered there from a region) or a safetensors body (the
+  weight uploaded).
 
 Every caller cycles through `CASE_SPECS`, three small calls to one large (an answer over 1 MiB,
 which the service queues for the pool's dispatcher threads, where a small call is lent an idle
@@ -22,8 +26,10 @@ twice. After the load, `then_each_path` asks each path once more, one call at a 
 A call is right when it equals `zen_mla.ragged_attention` on the same tensors bit for bit (the
 service runs the same kernel; tests/service/routes/test_prefill.py asks the same); a wrong one says
 which tokens and heads differ, and whether it is within the fp64 reference's tolerance all the
-same. A 429 is retried after its Retry-After, at most `RETRIES` times, by every caller (the
-library clients do it themselves): only a call that fails in the end counts as failed.
+same. A latent call is right within a rounding of bf16 of in-process `latent_attention` (the
+workers run it on heads apart: its matmuls block differently). A 429 is retried after its
+Retry-After, at most `RETRIES` times, by every caller (the library clients do it themselves):
+only a call that fails in the end counts as failed.
 """
 
 from __future__ import annotations
@@ -476,6 +482,98 @@ def async_callers(tasks: int) -> Callable[..., None]:
     return run
 
 
+# -- over MLA's latent cache ----------------------------------------------------------------------
+
+LATENT_RANK, LATENT_ROPE = 512, 64
+
+
+@dataclass(frozen=True)
+class LatentCase:
+    """A case's queries over a latent context as long as its keys, and the library's answer."""
+
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    want: tuple[torch.Tensor, ...]
+
+
+def latent_weight() -> torch.Tensor:
+    """The latent caller's `kv_b_proj` weight: MLA's heads, their Dn (192 - 64) and Dv rows."""
+    heads, dqk, dv = MLA
+    gen = torch.Generator().manual_seed(77)
+    w = torch.randn(heads * (dqk - LATENT_ROPE + dv), LATENT_RANK, generator=gen)
+    return (w / LATENT_RANK**0.5).bfloat16()
+
+
+def latent_case(case: Case, w_kv_b: torch.Tensor) -> LatentCase:
+    tk = int(case.k.shape[0])
+    gen = torch.Generator().manual_seed(tk)
+    kv_c = torch.randn(tk, LATENT_RANK, generator=gen).bfloat16()
+    k_pe = torch.randn(tk, LATENT_ROPE, generator=gen).bfloat16()
+    got = zen_mla.latent_attention(
+        case.q, kv_c, k_pe, w_kv_b, case.q_cu, case.kv_cu,
+        causal=case.causal, return_lse=case.return_lse,
+    )  # fmt: skip
+    return LatentCase(kv_c, k_pe, _as_tuple(got))
+
+
+def check_latent(x: LatentCase, got: tuple[torch.Tensor, ...]) -> None:
+    """Raise WrongAnswerError unless `got` is the library's answer within a rounding of bf16
+    (out) and 1e-4 (lse), -inf where it is."""
+    if [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in x.want]:
+        raise WrongAnswerError(f"{[(g.dtype, tuple(g.shape)) for g in got]}, wanted {x.want!r:.80}")
+    for name, g, w, tol in zip(("out", "lse"), got, x.want, (2**-6, 1e-4), strict=False):
+        finite = torch.isfinite(w)
+        if not torch.equal(finite, torch.isfinite(g)):
+            raise WrongAnswerError(f"{name}: not finite where the library's is, or the other way")
+        off = (g.float() - w.float()).abs()[finite].max().item() if finite.any() else 0.0
+        if off > tol:
+            raise WrongAnswerError(f"{name}: max |diff| {off:.3g} from the library's")
+
+
+def latent_caller(route: str, shared_memory: bool) -> Callable[..., None]:
+    """A thread's `PrefillClient` calling over the latent cache, its answers checked against
+    in-process `latent_attention`."""
+
+    def run(server: Server, cases: list[Case], start: int, plan: Plan, tally: Tally) -> None:
+        _latent_calls(server, cases, f"{route}{start}", route, shared_memory, start, plan, tally)
+
+    return run
+
+
+def _latent_calls(
+    server: Server,
+    cases: list[Case],
+    name: str,
+    route: str,
+    shared_memory: bool,
+    start: int,
+    plan: Plan,
+    tally: Tally,
+) -> None:
+    w = latent_weight()
+    latent = {c.name: latent_case(c, w) for c in cases}
+
+    def one(client: PrefillClient, case: Case) -> tuple[torch.Tensor, ...]:
+        x = latent[case.name]
+        got = client.prefill_latent(
+            case.q, x.kv_c, x.k_pe, "many-clients", case.q_cu, case.kv_cu,
+            causal=case.causal, return_lse=case.return_lse,
+        )  # fmt: skip
+        return _as_tuple(got)
+
+    with PrefillClient(server.url, shared_memory=shared_memory, timeout=plan.timeout) as client:
+        client.register_weight("many-clients", w)
+        for case in _loop_cases(cases, start, plan):
+            x = latent[case.name]
+            t0 = time.monotonic()
+            try:
+                check_latent(x, one(client, case))
+                outcome = Outcome(route, name, str(case), time.monotonic() - t0, "ok")
+            except Exception as exc:
+                outcome = Outcome(route, name, str(case), time.monotonic() - t0, *_failure(exc))
+            tally.add(outcome)
+
+
 # -- the server's side ----------------------------------------------------------------------------
 
 
@@ -531,6 +629,8 @@ CALLERS: list[tuple[str, Callable[..., None], int]] = [
     ("safetensors", client_caller("safetensors", shared_memory=False), 2),
     ("v2", v2_caller, 1),
     ("async", async_callers(2), 1),  # one thread, two tasks
+    ("latent_socket", latent_caller("latent_socket", shared_memory=True), 1),
+    ("latent_http", latent_caller("latent_http", shared_memory=False), 1),
 ]
 
 

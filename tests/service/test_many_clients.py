@@ -1,15 +1,16 @@
 """Many clients at once on every route of a real server (the contract: "concurrent clients on
 every route at once get only right answers, within their deadlines, with no worker
 restarted"): region-socket calls, regions JSON over HTTP, safetensors over HTTP (answers of
-2 MiB among them), `/v2` infer over HTTP and over gRPC, and the async client, mixed sizes, with
+2 MiB among them), `/v2` infer over HTTP and over gRPC, the async client, and calls over MLA's
+latent cache (on the region socket and in safetensors bodies), mixed sizes, with
 and without an LSE, each answer the library's own on the same tensors; with one worker and with
 several. Then each path once more, one call at a time: a worker whose dispatcher thread lost
 its way under the load answers nothing queued to it, though /health calls it alive and
 unrestarted. Callers start no call after 20 s and give each 20 s, so that a run ends by itself
 within a minute.
 
-The callers and the tally are in tests/service/many_clients.py. Ten calls are in flight at most
-(nine callers, one of them two tasks), under `--max-queue` 12: what is tested is right answers
+The callers and the tally are in tests/service/many_clients.py. Twelve calls are in flight at most
+(eleven callers, one of them two tasks), under `--max-queue` 12: what is tested is right answers
 under concurrency, not the queue's refusals (tests/service/test_shares.py). A 429 all the same is
 retried after its Retry-After (the library clients do it themselves, the test's own callers
 alike) and fails nothing unless the call fails in the end; the service's count of them is in the
@@ -38,7 +39,16 @@ from tests.service.servers import serve, wait_ready
 
 DEADLINE_S = 10  # the server's; callers give a call 20 s, so that its 504 comes first
 PLAN = Plan(calls=1000, seconds=20.0, timeout=20.0)
-ROUTES = {"socket", "regions_http", "safetensors", "v2", "grpc", "async"}
+ROUTES = {
+    "socket",
+    "regions_http",
+    "safetensors",
+    "v2",
+    "grpc",
+    "async",
+    "latent_socket",
+    "latent_http",
+}
 CALLERS_AND_GRPC = [*CALLERS, ("grpc", grpc_caller, 1)]
 
 
