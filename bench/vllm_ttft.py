@@ -2,8 +2,9 @@
 in process and as a service, on a random DeepSeek-V2-style model of real MLA attention dims.
 
     .venv/bin/python bench/vllm_ttft.py [--prompts 2048,8192,16384] [--cached 16384] [--reps 3]
-        [--heads 16] [--layers 2] [--rows default,cpu_mla,local,local_expanded,service,service_own]
-        [--service-cpus half] [--cpu-mla-max 8192] [--question 256]
+        [--heads 16] [--layers 2]
+        [--rows default,cpu_mla,local,local_expanded,service,service_expanded,service_own]
+        [--service-cpus half] [--cpu-mla-max 8192] [--question 256] [--columns fresh,cached,prefix]
 
 Each row is an engine of its own (vLLM's `LLM`, bf16, eager, one sequence at a time) in a
 process of its own under .venv-vllm's Python (made by scripts/vllm-venv when missing):
@@ -17,14 +18,18 @@ process of its own under .venv-vllm's Python (made by scripts/vllm-venv when mis
   cached context attended from the latent (`zen_mla/vllm/cpu_mla.py`).
 - `local_expanded`: the same with `ZEN_MLA_LATENT=0`: vLLM expands the cached context with
   `kv_b_proj` and hands it to zen-mla's prefill backend.
-- `service`: CPU_MLA, its prefill sent to `zen-mla serve` on the same CPUs (same-host regions).
-- `service_own`: the same, the service on `--service-cpus` and the engine on the others.
+- `service`: CPU_MLA, its prefill sent to `zen-mla serve` on the same CPUs (same-host regions),
+  cached context sent as its latent (`prefill_latent`, each layer's `kv_b_proj` registered once).
+- `service_expanded`: the same with `ZEN_MLA_LATENT=0`: vLLM expands the cached context and sends
+  the expanded keys and values.
+- `service_own`: as `service`, the service on `--service-cpus` and the engine on the others.
 
 Columns: fresh prompts of `--prompts` tokens, and `--cached` tokens whose first half was seen
 before (its KV cache loaded: vLLM's prefix cache where the engine keeps one, else
 `_prefix_connector.PrefixConnector`), so the second half is prefilled over it as context: context
 chunks and the LSE merge; and `--cached` tokens all cached followed by a `--question` of new
-tokens (a long cached prefix and a short question). Each prompt is random token ids, the same in
+tokens (a long cached prefix and a short question); `--columns` runs some of the three. Each
+prompt is random token ids, the same in
 every row; each rep a new prompt. Reported: the median TTFT (`generate` of one token, the engine
 in the process), and, where the prefill goes through a prefill backend, the seconds spent in its
 calls ("attention") and, in process, in zen-mla's kernel; the first token of each prompt and its
@@ -50,7 +55,16 @@ import _common as c
 from _server import ROOT, start_server
 from _ttft_engine import cpu_mla_is_default
 
-ROWS = ("default", "cpu_mla", "local", "local_expanded", "service", "service_own")
+ROWS = (
+    "default",
+    "cpu_mla",
+    "local",
+    "local_expanded",
+    "service",
+    "service_expanded",
+    "service_own",
+)
+COLUMNS = ("fresh", "cached", "prefix")
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # one row's engine: _ttft_engine.py (.venv-vllm's Python), arguments row, model, longest, cached
 ENGINE = "import sys, _ttft_engine; _ttft_engine.main(*sys.argv[1:])"
@@ -132,6 +146,7 @@ def measure_interleaved(
     columns = [("fresh", n) for n in args.prompts]
     columns += [("cached", args.cached)] if args.cached else []
     columns += [("prefix", args.cached + args.question)] if args.cached and args.question else []
+    columns = [(column, tokens) for column, tokens in columns if column in args.columns]
     results: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rows}
     for column, tokens in columns:
         for rep in range(args.reps):
@@ -331,13 +346,21 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rows", type=lambda s: s.split(","), default=list(ROWS))
+    parser.add_argument(
+        "--columns",
+        type=lambda s: s.split(","),
+        default=list(COLUMNS),
+        help="fresh (--prompts), cached (--cached, half of it cached), prefix (--cached cached, "
+        "then --question)",
+    )
     parser.add_argument("--cpu-mla-max", type=int, default=8192)
     parser.add_argument("--kernel", default="auto", help="ZEN_MLA_KERNEL of the local row")
     c.service_cpus_option(parser)
     args = parser.parse_args()
-    unknown = set(args.rows) - set(ROWS)
-    if unknown:
-        raise SystemExit(f"--rows: unknown {sorted(unknown)}; expected among {list(ROWS)}")
+    for option, known in (("rows", ROWS), ("columns", COLUMNS)):
+        unknown = set(getattr(args, option)) - set(known)
+        if unknown:
+            raise SystemExit(f"--{option}: unknown {sorted(unknown)}; expected among {list(known)}")
     ensure_venv()
     from _deepseek import config, write_deepseek
 
@@ -363,14 +386,14 @@ def main() -> None:
             env, cpus = {}, everything
             if row in ("local", "local_expanded"):
                 env = {"ZEN_MLA_URL": "local", "ZEN_MLA_KERNEL": args.kernel}
-                env["ZEN_MLA_LATENT"] = "0" if row == "local_expanded" else "1"
-            elif row in ("service", "service_own"):
-                proc, url = start_server(
-                    "httptools", cpus=everything if row == "service" else service_cpus
-                )
+            elif row.startswith("service"):
+                own = row == "service_own"
+                proc, url = start_server("httptools", cpus=service_cpus if own else everything)
                 servers.append(proc)
                 env = {"ZEN_MLA_URL": url}
-                cpus = everything if row == "service" else engine_cpus
+                cpus = engine_cpus if own else everything
+            if row.startswith(("local", "service")):
+                env["ZEN_MLA_LATENT"] = "0" if row.endswith("_expanded") else "1"
             rows.append(Row(row, args, model, env, cpus))
         results = measure_interleaved(rows, args)
     finally:
