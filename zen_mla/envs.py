@@ -166,8 +166,8 @@ ZEN_MLA_LATENT: Variable[bool] = Variable(
     True,
     _switch,
     "`1`",
-    "with `ZEN_MLA_URL=local`, vLLM's CPU_MLA attends cached context from the latent "
-    "(`kv_c`, `k_pe` and `kv_b_proj`), never expanding it; `0`: vLLM expands it as it does",
+    "vLLM's CPU_MLA attends cached context from the latent (`kv_c`, `k_pe` and `kv_b_proj`), "
+    "in process or through the service, never expanding it; `0`: vLLM expands it as it does",
 )
 ZEN_MLA_KERNEL: Variable[str] = Variable(
     "ZEN_MLA_KERNEL",

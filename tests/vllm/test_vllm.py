@@ -413,7 +413,8 @@ def test_the_plugin_does_nothing_without_zen_mla_url(monkeypatch, vllm_registry)
 def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     monkeypatch, vllm_registry, caplog, amx
 ):
-    """One line per registration, and one of guidance: where the CPU has AMX (stood in for
+    """Two lines per registration (the prefill backends, the latent), and one of guidance:
+    where the CPU has AMX (stood in for
     here, so that the test says the same on every host) a warning naming the attention backend
     to choose, else which of zen-mla's modes was fastest."""
     monkeypatch.setenv("ZEN_MLA_URL", "http://cpu-node:8000")
@@ -424,9 +425,12 @@ def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     path = "zen_mla.vllm.ZenMLARemotePrefillBackend"
     once = [("ZEN_MLA", path), ("ZEN_CPU", path), ("CPU", path)]
     assert vllm_registry.calls == once + once
-    # CPU_MLA's class on the CPU platform, which takes the latent only in process
+    # CPU_MLA's class on the CPU platform, which sends the latent to the service
     assert vllm_registry.attention == [("CPU_MLA", vllm.plugin.CPU_MLA_PATH)] * 2
-    each = [(logging.INFO, "CPU platform prefill backends ZEN_CPU and CPU")]
+    each = [
+        (logging.INFO, "CPU platform prefill backends ZEN_CPU and CPU"),
+        (logging.INFO, "cached context is attended from the latent by the service"),
+    ]
     if amx:
         each.append((logging.WARNING, "unless vLLM runs with --attention-backend CPU_MLA"))
     else:

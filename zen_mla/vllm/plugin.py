@@ -26,7 +26,7 @@ logger = logging.getLogger("zen_mla.vllm")
 VLLM_REGISTRY = "vllm.v1.attention.backends.mla.prefill.registry"
 BACKEND_PATH = "zen_mla.vllm.ZenMLARemotePrefillBackend"
 ATTENTION_REGISTRY = "vllm.v1.attention.backends.registry"
-#: CPU_MLA with its cached context attended from the latent (in process only)
+#: CPU_MLA with its cached context attended from the latent (in process or through the service)
 CPU_MLA_PATH = "zen_mla.vllm.cpu_mla.ZenCPUMLABackend"
 # what vLLM's CPU platform (vllm/platforms/cpu.py, get_mla_prefill_backend_cls) tries, in order
 CPU_PREFILL_ENTRIES = ("ZEN_CPU", "CPU")
@@ -71,14 +71,15 @@ def register() -> None:
         " and ".join(CPU_PREFILL_ENTRIES),
         BACKEND_PATH,
     )
-    # CPU_MLA's context from the latent, where zen-mla runs here (`cpu_mla.latent_here`, read
-    # at each call: vLLM loads plugins once a process, settings may change after)
+    # CPU_MLA's context from the latent while `ZEN_MLA_LATENT` is on (`cpu_mla.latent_here`,
+    # read at each call: vLLM loads plugins once a process, settings may change after)
     attention = importlib.import_module(ATTENTION_REGISTRY)
     attention.register_backend(attention.AttentionBackendEnum.CPU_MLA, CPU_MLA_PATH)
-    if isinstance(settings, LocalSettings) and ZEN_MLA_LATENT.read():
+    if ZEN_MLA_LATENT.read():
         logger.info(
-            "zen-mla: CPU_MLA's cached context is attended from the latent in this process "
-            "(%s): vLLM no longer expands it with kv_b_proj",
+            "zen-mla: CPU_MLA's cached context is attended from the latent %s (%s): vLLM no "
+            "longer expands it with kv_b_proj",
+            "in this process" if isinstance(settings, LocalSettings) else "by the service",
             CPU_MLA_PATH,
         )
     if _amx():

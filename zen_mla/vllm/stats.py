@@ -14,7 +14,7 @@ class StatsSnapshot:
     """Calls since the process started: `remote` answered by the service, `local` computed in
     this process (in-process mode, `ZEN_MLA_URL=local`; or the service could not take it:
     `fallback`), `outages` times a link went down, `latent` context chunks attended from the
-    latent cache (`cpu_mla`)."""
+    latent cache (`cpu_mla`; each counted in `remote` or `local` too, where it ran)."""
 
     remote: int
     local: int
