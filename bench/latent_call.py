@@ -9,14 +9,17 @@ One sequence a call: `--context` cached tokens then M new ones (causal), DeepSee
 same-host regions: the bytes cross the socket).
 
 - latent: `prefill_latent` with the layer's `kv_b_proj` weight registered once
-  (`register_weight`, sent with the first call only): the call carries q, kv_c and k_pe.
+  (`register_weight`, sent with the first call only): the call carries q, kv_c and k_pe; its
+  LSE within 1e-3 of fp64 (`precision="auto"`), and as bf16's rounding of the keys leaves it
+  (`precision="bf16"`: what the expanded call's LSE is, its keys rounded by vLLM's matmul).
 - expanded: what vLLM does before its prefill backend sees the context: `kv_b_proj` on every
   context token (one matmul, in this process, on the same cores: bf16 where the CPU has bf16
   arithmetic, else fp32 as vLLM's own fallback would be no faster), then `prefill` with q, k, v.
 
 Prints Markdown tables (the CPU named): the bytes each call's safetensors body carries (the
 weight excluded: registered once), and paired medians (interleaved rep by rep) of each call,
-the expanded one split into its matmul and its call. Writes bench/out/latent_call.json.
+the expanded one split into its matmul and its call. Writes bench/out/latent_call.json, and
+bench/out/latent_call.png where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import json
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,10 +81,19 @@ def measure(
     def call_latent() -> None:
         client.prefill_latent(q, kv_c, k_pe, "layer", q_cu, kv_cu, return_lse=True)
 
+    def call_latent_bf16() -> None:
+        client.prefill_latent(
+            q, kv_c, k_pe, "layer", q_cu, kv_cu, return_lse=True, precision="bf16"
+        )
+
     expand()
-    times = paired_medians(
-        {"latent": call_latent, "expand": expand, "expanded call": call_expanded}, reps
-    )
+    calls: dict[str, Callable[[], object]] = {
+        "latent": call_latent,
+        "latent bf16": call_latent_bf16,
+        "expand": expand,
+        "expanded call": call_expanded,
+    }
+    times = paired_medians(calls, reps)
     meta = {"causal": "true", "return_lse": "true"}
     latent = {"q": q, "kv_c": kv_c, "k_pe": k_pe, "q_cu_seq_lens": q_cu, "kv_cu_seq_lens": kv_cu}
     full = {"q": q, "k": expanded["k"].contiguous(), "v": expanded["v"].contiguous()}
@@ -90,10 +103,51 @@ def measure(
         "latent_bytes": body_bytes(latent, meta | {"weight": "layer", "form": "auto"}),
         "expanded_bytes": body_bytes(full, meta),
         "latent_s": times["latent"],
+        "latent_bf16_s": times["latent bf16"],
         "expand_s": times["expand"],
         "expanded_call_s": times["expanded call"],
         "ratio": times["latent"] / (times["expand"] + times["expanded call"]),
+        "ratio_bf16": times["latent bf16"] / (times["expand"] + times["expanded call"]),
     }
+
+
+def plot(results: list[dict[str, float]], path: Path) -> bool:
+    """Each call's median by new tokens, the expanded one stacked (its matmul, then its call),
+    to `path`; False where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    at = range(len(results))
+    expand = [r["expand_s"] * 1e3 for r in results]
+    ax.bar([x - 0.27 for x in at], expand, 0.27, label="vLLM's kv_b_proj")
+    ax.bar(
+        [x - 0.27 for x in at],
+        [r["expanded_call_s"] * 1e3 for r in results],
+        0.27,
+        bottom=expand,
+        label="then the expanded call",
+    )
+    ax.bar(at, [r["latent_s"] * 1e3 for r in results], 0.27, label="latent call")
+    ax.bar(
+        [x + 0.27 for x in at],
+        [r["latent_bf16_s"] * 1e3 for r in results],
+        0.27,
+        label='latent call, precision="bf16"',
+    )
+    ax.set_xticks(list(at), [f"{r['new']:.0f} new" for r in results])
+    ax.set_ylabel("median ms")
+    ax.set_title("A call over a cached context, latent or expanded (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -137,6 +191,8 @@ def main() -> None:
             f"{r['expand_s'] * 1e3:.0f} + {r['expanded_call_s'] * 1e3:.0f}",
             f"{r['latent_s'] * 1e3:.0f}",
             f"{r['ratio']:.2f}",
+            f"{r['latent_bf16_s'] * 1e3:.0f}",
+            f"{r['ratio_bf16']:.2f}",
         ]
         for r in results
     ]
@@ -154,12 +210,15 @@ def main() -> None:
                 "expand + expanded call ms",
                 "latent call ms",
                 "latent / expanded",
+                "latent bf16 ms",
+                "latent bf16 / expanded",
             ],
             rows,
         )
     )
     OUT_DIR.mkdir(exist_ok=True)
     (OUT_DIR / "latent_call.json").write_text(json.dumps(results, indent=1))
+    plot(results, OUT_DIR / "latent_call.png")
 
 
 if __name__ == "__main__":

@@ -414,9 +414,9 @@ def test_on_vllms_cpu_platform_the_plugin_takes_its_prefill_entries(
     monkeypatch, vllm_registry, caplog, amx
 ):
     """Two lines per registration (the prefill backends, the latent), and one of guidance:
-    where the CPU has AMX (stood in for
-    here, so that the test says the same on every host) a warning naming the attention backend
-    to choose, else which of zen-mla's modes was fastest."""
+    where the CPU has AMX (stood in for here, so that the test says the same on every host) a
+    warning naming the attention backend to choose, else which of zen-mla's modes was
+    fastest."""
     monkeypatch.setenv("ZEN_MLA_URL", "http://cpu-node:8000")
     monkeypatch.setattr(vllm.plugin, "_amx", lambda: amx)
     with caplog.at_level(logging.INFO, logger="zen_mla.vllm"):
