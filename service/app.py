@@ -19,7 +19,7 @@ from zen_mla.regions import RegionRegistry, RegionServer, SystemShmRegistry
 from .kserve import routes as kserve
 from .problems import Problem, problem
 from .routes import health, prefill, weights
-from .routes.calls import socket_calls
+from .routes.calls import socket_calls, socket_ended
 from .settings import Settings
 from .state import ServiceState
 from .weights import Weights
@@ -144,6 +144,7 @@ def _serve_regions(state: ServiceState, engine: PrefillEngine) -> None:
         frame_timeout_s=s.header_timeout_s,
         max_unauthenticated=s.shm_max_waiting,
         calls=socket_calls(state),  # prefill calls on the socket, with no HTTP on their way
+        ended=socket_ended(state),  # a connection's weights end with it
     )
     server.start()
     state.regions, state.region_server = registry, server

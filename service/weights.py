@@ -5,7 +5,8 @@ A weight is its caller's: registered, listed, used and forgotten by the caller (
 without tenants) that sent it; another caller's names answer as never registered. It lies in
 one of the engine's shared buffers, the body it came in (the workers read it there in place),
 and its bytes stay charged to its caller's share of the service's memory until it is forgotten
-(`DELETE /weights/{name}`, or registered again under its name). Weights hold at most half the
+(`DELETE /weights/{name}`, or registered again under its name; one registered on the region
+socket, also once its connection ends). Weights hold at most half the
 service's byte budget, all callers together: requests keep the rest, whoever holds weights.
 Work using a weight holds a lease: a weight forgotten meanwhile is let go when the last such
 work ends.
@@ -38,6 +39,7 @@ class Weight:
     tensor: torch.Tensor
     buffer: SharedBuffer
     charge: Charge
+    connection: int | None = None  # the region-socket connection it came by: ends with it
     leases: int = 0
     forgotten: bool = False
 
@@ -115,6 +117,14 @@ class Weights:
         if not mine:
             del self._by_caller[caller]
         self._forget(weight)
+
+    def end(self, connection: int) -> None:
+        """Every weight registered on the region-socket connection `connection` forgotten (it
+        ended, as its regions do)."""
+        for caller, mine in list(self._by_caller.items()):
+            for name, weight in list(mine.items()):
+                if weight.connection == connection:
+                    self.forget(caller, name)
 
     def listed(self, caller: Caller | None) -> list[dict[str, object]]:
         """The caller's weights: name, shape, dtype, bytes."""

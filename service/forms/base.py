@@ -8,7 +8,8 @@ line are the pipeline's: adding a form touches the form alone. (httpx's transpor
 transport implements `handle_request`; the client owns the rest.)
 
     safetensors /prefill    forms/safetensors.py (also over MLA's latent cache)
-    weight registration     forms/weight.py (keeps its body or a copy of its place, computes nothing)
+    weight registration     forms/weight.py (keeps its body, or a copy of its place; computes
+                            nothing)
     regions JSON /prefill   forms/regions.py (also over MLA's latent cache)
     region-socket call      forms/call.py (and a weight registered from a region)
     /v2 infer               kserve/infer.py

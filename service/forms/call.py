@@ -108,10 +108,12 @@ class CallForm(RegionsRequest, Form["Frame | None"]):
 
 
 class WeightCallForm(WeightRequest, Form["Frame"]):
-    """A `weight` frame: a weight registered from the caller's region, answered by its entry."""
+    """A `weight` frame: a weight registered from the caller's region, answered by its entry;
+    it ends with the connection (`Weights.end`)."""
 
-    def __init__(self, state: ServiceState, name: object, call: object) -> None:
+    def __init__(self, state: ServiceState, name: object, call: object, connection: int) -> None:
         super().__init__(state, regions_json.MEDIA_TYPE, name if isinstance(name, str) else "")
+        self.connection = connection  # the weight ends with it
         self.given = name
         self.call = call
         self.numbered = numbered(call)

@@ -116,6 +116,7 @@ class WeightRequest:
         self.tensor: torch.Tensor | None = None
         self.source: torch.Tensor | None = None  # in the caller's region: copied as it is kept
         self.weight: Weight | None = None
+        self.connection: int | None = None  # a region-socket connection it ends with
 
     def expect(self, settings: Settings, door: Door) -> Expect:
         regions = self.state.regions is not None
@@ -189,7 +190,9 @@ class WeightRequest:
             self.tensor.copy_(source)
         assert self.body is not None and self.tensor is not None
         charge = held.hand_out(self.body, "weight")
-        self.weight = Weight(self.name, self.caller, self.tensor, self.body, charge)
+        self.weight = Weight(
+            self.name, self.caller, self.tensor, self.body, charge, connection=self.connection
+        )
         weights.register(self.weight)
 
 

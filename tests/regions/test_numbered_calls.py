@@ -23,6 +23,7 @@ def test_a_reply_to_an_earlier_call_is_passed_over(tmp_path):
         fd: int,
         uid: int | None,
         named: object,
+        connection: int,
     ) -> dict | None:
         call = message["call"]
         seen.append(call)

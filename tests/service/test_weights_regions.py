@@ -268,3 +268,25 @@ def test_the_clients_take_the_region_socket_for_latent_calls(server):
         asyncio.run(over_asyncio())
         _reaches(c, "socket", calls + 1)
         assert "async-w" not in _names(c, A)
+
+
+def test_a_weight_registered_on_a_connection_ends_with_it(server):
+    """As a region does: the connection closed, its weight is forgotten and its charge back; one
+    of the same caller's registered over HTTP stays."""
+    with server.client() as c:
+        before = _held(c)
+        conn = RegionConnection(region_socket(server), "token-a")
+        try:
+            region = ClientRegion(conn, 1 << 20)
+            laid = Laid(region, [3], [9], seed=6)
+            conn.weight("on-socket", laid.places["w_kv_b"])
+            body = rr.encode({"w_kv_b": laid.places["w_kv_b"]})
+            put = c.put("/weights/over-http", content=body, headers=A | REGION_JSON)
+            assert put.status_code == 200, put.text
+            assert {"on-socket", "over-http"} <= set(_names(c, A))
+        finally:
+            conn.close()
+        wait_for(lambda: "on-socket" not in _names(c, A), 10, lambda: str(_names(c, A)))
+        assert "over-http" in _names(c, A)
+        assert c.delete("/weights/over-http", headers=A).status_code == 204
+        assert _held(c) == before

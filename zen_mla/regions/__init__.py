@@ -22,13 +22,14 @@ from .._lazy import lazy_names
 if TYPE_CHECKING:
     from .protocol import encode_frame
     from .registry import RegionRegistry, Span, check_disjoint
-    from .server import Calls, RegionServer
+    from .server import Calls, Ended, RegionServer
     from .system_shm import SHM_DIR, CallerShm, SystemRegion, SystemShmRegistry, off_error
 
 __all__ = [
     "SHM_DIR",
     "CallerShm",
     "Calls",
+    "Ended",
     "RegionRegistry",
     "RegionServer",
     "Span",
@@ -43,6 +44,7 @@ _LAZY = {
     "SHM_DIR": ".system_shm",
     "Calls": ".server",
     "CallerShm": ".system_shm",
+    "Ended": ".server",
     "RegionRegistry": ".registry",
     "RegionServer": ".server",
     "Span": ".registry",

@@ -45,20 +45,22 @@ from ..errors import (
 from .protocol import FrameError, FrameReader, descriptors, encode_frame, listen, peer_uid
 from .registry import Region, RegionRegistry
 
-__all__ = ["CALL_OPS", "Authorize", "Calls", "RegionServer"]
+__all__ = ["CALL_OPS", "Authorize", "Calls", "Ended", "RegionServer"]
 
 #: the frames a `calls` hook answers: a prefill, and a weight registered from a region or
 #: forgotten (`docs/protocol.md`, "Calls on the region socket")
 CALL_OPS = ("prefill", "weight", "forget")
 
 #: the service's answer to a frame of `CALL_OPS`: (the frame, a future that resolves when the client
-#: hangs up, the connection's descriptor, the peer's uid, whom its hello's token named) -> the
-#: reply, or None where a worker wrote it to the descriptor itself (whole, or the connection
-#: shut down)
+#: hangs up, the connection's descriptor, the peer's uid, whom its hello's token named, the
+#: connection's number) -> the reply, or None where a worker wrote it to the descriptor itself
+#: (whole, or the connection shut down)
 Calls = Callable[
-    [dict[str, Any], "asyncio.Future[None]", int, int | None, Caller | None],
+    [dict[str, Any], "asyncio.Future[None]", int, int | None, Caller | None, int],
     Awaitable[dict[str, Any] | None],
 ]
+#: told a connection's number once it has ended (what the service kept for it goes with it)
+Ended = Callable[[int], None]
 #: checks a hello's token (None: none given): returns whom it names (None: no one, the peer's
 #: uid counts), raises UnauthorizedError for one that opens nothing
 Authorize = Callable[[str | None], Caller | None]
@@ -93,7 +95,8 @@ class RegionServer:
     `max_clients` caps connections that said hello; `max_unauthenticated` those yet to, the
     oldest evicted when one more comes; `hello_timeout_s` is how long a connection has to say
     hello, `frame_timeout_s` how long a frame may take once its first byte came. `calls`, when
-    given, answers `prefill` frames (and hello says `"calls": true`)."""
+    given, answers the frames of `CALL_OPS` (and hello says `"calls": true`); `ended` is told
+    each connection that said hello once it has ended."""
 
     def __init__(
         self,
@@ -107,6 +110,7 @@ class RegionServer:
         frame_timeout_s: float = 5.0,
         max_unauthenticated: int = 16,
         calls: Calls | None = None,
+        ended: Ended | None = None,
     ) -> None:
         self.path, self.registry, self.authorize = path, registry, authorize
         self.max_clients = max_clients
@@ -114,6 +118,7 @@ class RegionServer:
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.max_unauthenticated = max_unauthenticated
         self._calls = calls
+        self._ended = ended
         # calls in flight, one per connection at most
         self._running: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
@@ -309,7 +314,8 @@ class RegionServer:
         gone: asyncio.Future[None],
     ) -> None:
         try:
-            reply = await calls(message, gone, client.sock.fileno(), client.uid, client.named)
+            fd = client.sock.fileno()
+            reply = await calls(message, gone, fd, client.uid, client.named, client.id)
         except Exception:  # the hook answers its errors; a bug costs this connection only
             log.exception("region socket: client %d's call", client.id)
             reply = _refusal(500, "the region socket failed on this call")
@@ -378,6 +384,8 @@ class RegionServer:
             os.close(client.fd)
             client.fd = None
         self.registry.drop(client.regions)
+        if self._ended is not None and client.greeted:
+            self._ended(client.id)
         with contextlib.suppress(OSError):  # ended, should a worker still hold it (a reply)
             client.sock.shutdown(socket.SHUT_RDWR)
         client.sock.close()
