@@ -128,7 +128,7 @@ def test_a_call_while_draining_is_a_503_with_retry_after():
 
     async def call(frame: dict) -> dict | None:
         gone = asyncio.get_running_loop().create_future()
-        return await hook(frame, gone, -1, None, None)  # no descriptor: nothing is written
+        return await hook(frame, gone, -1, None, None, 1)  # no descriptor: nothing is written
 
     reply = asyncio.run(call({"op": "prefill", "body": "{}"}))
     assert reply is not None and "call" not in reply
