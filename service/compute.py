@@ -24,15 +24,11 @@ from zen_mla.engine import (
 )
 
 from .body import SMALL_BYTES
-from .forms.base import RequestRecord
+from .forms.base import ClientGoneError, RequestRecord
 from .held import Held
 from .state import ServiceState
 
-__all__ = ["ClientGoneError", "compute"]
-
-
-class ClientGoneError(Exception):
-    """The client closed the connection while its work ran (answered 499, for metrics)."""
+__all__ = ["compute"]
 
 
 async def compute(

@@ -47,9 +47,9 @@ from zen_mla.engine import (
 from .admission import Ticket
 from .answer import Streamed
 from .body import read_body, read_message
-from .compute import ClientGoneError, compute
+from .compute import compute
 from .doors import Door
-from .forms.base import Computed, Expect, Form, RequestRecord, Work
+from .forms.base import ClientGoneError, Computed, Expect, Form, RequestRecord, Work
 from .held import Held
 from .pace import Pace
 from .settings import Settings

@@ -44,7 +44,13 @@ from ..doors import Door
 from ..held import Held
 from ..settings import Settings
 
-__all__ = ["Computed", "Expect", "Form", "RequestRecord", "Work"]
+__all__ = ["ClientGoneError", "Computed", "Expect", "Form", "RequestRecord", "Work"]
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection while its work ran, or before a form kept what it
+    read (answered 499, for metrics)."""
+
 
 A = TypeVar("A")
 

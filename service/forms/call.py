@@ -31,6 +31,7 @@ service's 504 and the worker's reply both come, numbered: the client keeps the f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -41,10 +42,11 @@ from zen_mla.regions import encode_frame
 from zen_mla.wire import regions_json
 
 from ..doors import Door
+from ..held import Held
 from ..problems import problem_body
 from ..settings import Settings
 from ..state import ServiceState
-from .base import Computed, Expect, Form, RequestRecord
+from .base import ClientGoneError, Computed, Expect, Form, RequestRecord
 from .regions import RegionsRequest
 from .weight import WeightRequest
 
@@ -111,9 +113,17 @@ class WeightCallForm(WeightRequest, Form["Frame"]):
     """A `weight` frame: a weight registered from the caller's region, answered by its entry;
     it ends with the connection (`Weights.end`)."""
 
-    def __init__(self, state: ServiceState, name: object, call: object, connection: int) -> None:
+    def __init__(
+        self,
+        state: ServiceState,
+        name: object,
+        call: object,
+        connection: int,
+        gone: asyncio.Future[None],
+    ) -> None:
         super().__init__(state, regions_json.MEDIA_TYPE, name if isinstance(name, str) else "")
         self.connection = connection  # the weight ends with it
+        self.gone = gone  # resolved once it has ended
         self.given = name
         self.call = call
         self.numbered = numbered(call)
@@ -125,6 +135,13 @@ class WeightCallForm(WeightRequest, Form["Frame"]):
                 "name", "the weight's name, a string", type(self.given).__name__
             )
         return super().expect(settings, door)
+
+    def keep(self, held: Held) -> None:
+        # a connection that ended before its frame was taken up has had its weights forgotten:
+        # one kept now would outlive it
+        if self.gone.done():
+            raise ClientGoneError("the region socket's connection ended")
+        super().keep(held)
 
     async def answer(self, result: Computed | None, record: RequestRecord) -> Frame:
         assert self.weight is not None

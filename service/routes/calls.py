@@ -51,7 +51,7 @@ async def _call(
     call = message.get("call")
     op = message.get("op")
     if op == "weight":
-        form = WeightCallForm(state, message.get("name"), call, connection)
+        form = WeightCallForm(state, message.get("name"), call, connection, gone)
         return await serve(state, door, form)
     if op == "forget":
         return _forget(state, door, message.get("name"), call)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import zen_mla
-from service.compute import ClientGoneError, compute
-from service.forms.base import RequestRecord
+from service.compute import compute
+from service.forms.base import ClientGoneError, RequestRecord
 from service.held import Held
 from service.settings import Settings
 from service.state import ServiceState

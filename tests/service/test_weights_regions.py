@@ -23,7 +23,7 @@ from zen_mla import ZenMLAError
 from zen_mla.attention.latent import latent_attention
 from zen_mla.client import AsyncPrefillClient, PrefillClient
 from zen_mla.regions.connection import ClientRegion, RegionConnection
-from zen_mla.regions.protocol import call_fields
+from zen_mla.regions.protocol import call_fields, send_frame
 from zen_mla.wire import regions_json as rr
 
 H, RANK, ROPE, NOPE, DV = 4, 64, 16, 32, 32
@@ -290,3 +290,19 @@ def test_a_weight_registered_on_a_connection_ends_with_it(server):
         assert "over-http" in _names(c, A)
         assert c.delete("/weights/over-http", headers=A).status_code == 204
         assert _held(c) == before
+
+
+def test_a_weight_frame_whose_connection_closes_at_once_leaves_nothing(server):
+    """The frame sent, the connection closed before any answer: whichever comes first to the
+    service, no weight outlives the connection, nothing stays charged."""
+    with server.client() as c:
+        before = _held(c)
+        for i in range(5):
+            conn = RegionConnection(region_socket(server), "token-a")
+            region = ClientRegion(conn, 1 << 20)
+            laid = Laid(region, [3], [9], seed=7)
+            body = rr.encode({"w_kv_b": laid.places["w_kv_b"]}).decode()
+            send_frame(conn._sock, {"op": "weight", "name": f"gone-{i}", "body": body})
+            conn.close()
+        wait_for(lambda: _held(c) == before, 10, lambda: f"{_held(c)} held, {before} before")
+        assert not [n for n in _names(c, A) if n.startswith("gone-")]
