@@ -184,10 +184,10 @@ class ClientRequest:
         error itself with `shared_memory=True`, else NoRegionError: the request goes over TCP, with
         the same answer. Blocking: it copies the tensors in."""
         with contextlib.ExitStack() as stack:
-            shape, dtype = self.outputs.want["out"]
+            outputs = self.outputs
+            shape, dtype = outputs.want["out"]
             # over the latent cache there is no v to take out's shape from
             out_like = None if "v" in self.tensors else (shape, BY_SAFETENSORS[dtype].torch)
-            outputs = self.outputs
             request = regions.request(
                 self.tensors, outputs.return_lse, outputs.into, out_like=out_like
             )
@@ -418,8 +418,8 @@ class BaseClient(Generic[H]):
 
     def _forgotten_by(self, name: str) -> list[Endpoint[H]]:
         """Forget `name` here, and on the region sockets that hold it (blocking; a socket
-        closed since took the weight's registration with it only where the service went);
-        the endpoints to tell over HTTP (`_weight_delete`)."""
+        closed since took the weight with it); the endpoints to tell over HTTP
+        (`_weight_delete`)."""
         over_http = []
         way: Way
         for ep, way in self._weights.drop(name):
